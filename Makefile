@@ -1,0 +1,38 @@
+# posttrain: `make demo` and `make test` each do all their own set-up on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# On a machine without a CUDA GPU take the CPU wheel (it ships on this image's disk), so pip
+# never pulls the multi-GB CUDA build; on GPU machines let pip choose the default build.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC := $(if $(HAS_GPU),torch,torch==2.13.0)
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: setup
+	$(PY) -m flows.cli demo
+
+test: setup
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+# Everything but the slow end-to-end and multi-process tests.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m flows.cli bench all
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

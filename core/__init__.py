@@ -1,0 +1,1 @@
+"""posttrain core: model, parallelism, LoRA, losses, data and the training primitives."""

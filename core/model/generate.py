@@ -1,0 +1,106 @@
+"""Batched sampling with a KV cache: greedy, temperature, top-k, top-p, stop tokens.
+
+Prompts of different lengths share one batch by left padding, so every row writes the cache at
+the same slot each step; position ids count only real tokens, so padding changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from core.model.model import KVCache, Transformer
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0: all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability mass reaches top_p (nucleus)."""
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    """New tokens, the stop token included when one ended the sequence."""
+    finish_reason: str
+    """"stop" or "length"."""
+    logprobs: list[float] = field(default_factory=list)
+    """Log-probability of each new token under the model's raw (temperature 1) distribution."""
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Scale by temperature and mask everything outside top-k / top-p with -inf. (B, V) fp32."""
+    logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the mass *before* it already reaches top_p: the first always stays.
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer, prompts: list[list[int]], params: SamplingParams, pad_id: int = 0
+) -> list[Generation]:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt at least one token")
+    device = model.embed.weight.device
+    B, T0 = len(prompts), max(len(p) for p in prompts)
+    total = T0 + params.max_new_tokens
+    ids = torch.full((B, T0), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros(B, total, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, T0 - len(p):] = torch.tensor(p, device=device)
+        mask[b, T0 - len(p):T0] = 1
+    positions = (mask[:, :T0].cumsum(-1) - 1).clamp(min=0)
+    cache = KVCache.empty(model.args, B, total, device, model.embed.weight.dtype)
+    gen = torch.Generator(device=device).manual_seed(params.seed) if params.seed is not None else None
+    stop = torch.tensor(list(params.stop_token_ids) or [-1], device=device)
+
+    was_training = model.training
+    model.eval()
+    out = torch.zeros(B, params.max_new_tokens, dtype=torch.long, device=device)
+    logps = torch.zeros(B, params.max_new_tokens, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths = torch.full((B,), params.max_new_tokens, device=device)
+    hidden = model.hidden_states(ids, positions, mask[:, :T0], cache)[:, -1]
+    pos = positions[:, -1]
+    for t in range(params.max_new_tokens):
+        logits = model.lm_head(hidden).float()  # (B, V)
+        if params.temperature == 0:
+            token = logits.argmax(-1)
+        else:
+            probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
+            token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        token = torch.where(done, pad_id, token)
+        out[:, t] = token
+        logps[:, t] = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        newly = ~done & torch.isin(token, stop)
+        lengths = torch.where(newly, t + 1, lengths)
+        done |= newly
+        if bool(done.all()) or t == params.max_new_tokens - 1:
+            break
+        mask[:, T0 + t] = 1
+        pos = pos + 1
+        hidden = model.hidden_states(token[:, None], pos[:, None], mask[:, :T0 + t + 1], cache)[:, -1]
+    model.train(was_training)
+
+    results = []
+    for b in range(B):
+        n = int(lengths[b])
+        results.append(Generation(out[b, :n].tolist(), "stop" if bool(done[b]) else "length", logps[b, :n].tolist()))
+    return results

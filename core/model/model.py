@@ -1,0 +1,230 @@
+"""The decoder-only transformer of the Llama / Qwen2 / Mistral / Mixtral / Qwen2-MoE families.
+
+One readable file, no parallelism: tensor, sequence, pipeline, context and expert parallelism are
+applied from outside (core/parallel). Module names are our own; registry/hf.py maps HF keys.
+
+Packed sequences: when `position_ids` are given, a position that resets to 0 starts a new
+document, and attention never crosses documents (the convention of padding-free collators).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.model.args import ModelArgs
+from core.model.layers import MLP, RMSNorm
+from core.model.moe import MoE
+from core.model.rope import apply_rope, rope_cos_sin, rope_frequencies
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys/values for every layer: (layers, B, n_kv_heads, max_len, head_dim).
+
+    All rows share one write offset `length` (prompts are left-padded), so a decode step writes
+    one slot per row; the padding mask says which slots are real."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def empty(cls, args: ModelArgs, batch: int, max_len: int, device, dtype) -> "KVCache":
+        shape = (args.num_layers, batch, args.num_kv_heads, max_len, args.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        h = args.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=args.o_bias)
+
+    def forward(self, x, cos, sin, mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        # Projections are reshaped by their own output size so that a tensor-parallel shard
+        # (fewer local heads) runs this same code.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, hd)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # GQA: each KV head serves `groups` query heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.attn = Attention(args, layer)
+        self.mlp_norm = RMSNorm(args.hidden_size, args.norm_eps)
+        if args.is_moe_layer(layer):
+            self.mlp = MoE(args.hidden_size, args.moe)
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
+
+    def forward(self, x, cos, sin, mask, cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def build_attention_mask(
+    q_slots: torch.Tensor,
+    k_slots: torch.Tensor,
+    key_padding: torch.Tensor | None = None,
+    q_docs: torch.Tensor | None = None,
+    k_docs: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Boolean (B or 1, 1, Tq, Tk) mask, True = may attend: causal over slots, same document,
+    real (non-pad) key, within the sliding window. Every query may attend to its own slot, so a
+    padding row never becomes all-masked (which would turn SDPA's output into NaN)."""
+    q, k = q_slots[:, :, None], k_slots[:, None, :]  # (B|1, Tq, 1), (B|1, 1, Tk)
+    allowed = k <= q
+    if window is not None:
+        allowed = allowed & (q - k < window)
+    if key_padding is not None:
+        allowed = allowed & key_padding[:, None, :].bool()
+    if q_docs is not None:
+        allowed = allowed & (q_docs[:, :, None] == k_docs[:, None, :])
+    return (allowed | (q == k))[:, None]
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        inv_freq, self.rope_scale = rope_frequencies(
+            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Random init (normal(0, initializer_range), norms at one): for models built on `meta`
+        and materialized with `to_empty`, or trained from scratch."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * self.args.initializer_range)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """(Re)compute non-parameter state: RoPE frequencies (fp32) and MoE routing buffers."""
+        args = self.args
+        device = self.embed.weight.device
+        inv_freq, _ = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
+        self.inv_freq = inv_freq.to(device)
+        for m in self.moe_layers():
+            m.router.expert_bias = torch.zeros(m.args.num_experts, device=device)
+            m.tokens_per_expert = torch.zeros(m.args.num_experts, device=device)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states (B, T, hidden).
+
+        input_ids (B, T). position_ids (B, T): positions; a reset to 0 starts a new packed
+        document (ignored for that purpose when decoding with a cache). attention_mask (B, S):
+        1 for real tokens, 0 for padding, over every slot the keys will cover (S = cache length +
+        T with a cache, else T)."""
+        B, T = input_ids.shape
+        device = input_ids.device
+        start = cache.length if cache is not None else 0
+        slots = torch.arange(start, start + T, device=device)[None]
+        packed = position_ids is not None and cache is None
+        if position_ids is None:
+            position_ids = slots.expand(B, T)
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, self.rope_scale, x.dtype)
+
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for window in {self.args.window_of(i) for i in range(len(self.layers))}:
+            if window is None and attention_mask is None and start == 0 and not packed:
+                masks[window] = None  # plain causal: SDPA's fused is_causal path
+                continue
+            # Without a cache the queries are the keys, so one document-id tensor serves both.
+            docs = torch.cumsum(position_ids == 0, dim=1) if packed else None
+            k_slots = torch.arange(start + T, device=device)[None]
+            masks[window] = build_attention_mask(slots, k_slots, attention_mask, docs, docs, window)
+
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, masks[self.args.window_of(i)], cache)
+        if cache is not None:
+            cache.length += T
+        return self.norm(x)
+
+    def _apply(self, fn, recurse=True):
+        # Keep the RoPE frequencies in fp32 whatever dtype the weights are cast to.
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32 and not self.inv_freq.is_meta:
+            args = self.args
+            inv_freq, _ = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling,
+                                           args.max_position_embeddings)
+            self.inv_freq = inv_freq.to(self.inv_freq.device)
+        # expert_bias must stay fp32 too: a bf16 bias cannot represent small balancing steps.
+        for m in self.moe_layers():
+            if m.router.expert_bias.is_floating_point() and m.router.expert_bias.dtype != torch.float32:
+                m.router.expert_bias = m.router.expert_bias.float()
+        return self
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, cache=None) -> torch.Tensor:
+        """Logits (B, T, vocab)."""
+        return self.lm_head(self.hidden_states(input_ids, position_ids, attention_mask, cache))
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum over MoE layers of coef * load-balancing loss from the last forward."""
+        losses = [m.aux_loss * m.args.aux_loss_coef for m in self.moe_layers() if m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+
+def build_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int | None = 0) -> Transformer:
+    """Build on the meta device, then materialize and initialize (cheap for large shapes)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device)
+    model.init_weights(seed)
+    return model.to(dtype)

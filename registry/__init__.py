@@ -1,0 +1,1 @@
+"""Model import/export (HF checkpoints, tokenizers, PEFT adapters) and the MLflow model registry."""
