@@ -1,0 +1,516 @@
+"""LoRA adapters, written here (the runtime never imports peft).
+
+    y = x W^T + b + s * dropout(x) A^T B^T,   A: (r, in) Kaiming-uniform, B: (out, r) zeros,
+    s = alpha / r, or alpha / sqrt(r) with rsLoRA (Kalajdzievski 2023, arXiv 2312.03732).
+
+DoRA (Liu et al. 2024, arXiv 2402.09353) re-normalizes the adapted weight row-wise and learns the
+magnitude m (init ||W||, one value per output row, peft's convention):
+
+    W' = m * (W + s B A) / ||W + s B A||,   the norm detached from the graph (paper, section 4.3),
+
+computed, without forming W', as a correction to the base output:
+    y = base + (m/n - 1) x W^T + (m/n) lora,   n = ||W + s B A||.
+
+`LoRALinear` replaces an nn.Linear in place and keeps its `weight` and `bias` as direct
+attributes, so state-dict keys (`layers.0.attn.q_proj.weight`) do not change. Several named
+adapters live on one base: `set_adapter` picks the active one, `route_adapters` gives every
+example of a batch its own adapter (multi-adapter training in one pass), `disable_adapter` gives
+the base model (DPO's reference model). With `quantize_base` (QLoRA) the frozen base is stored
+as NF4 (core/quant.py) and dequantized on the fly, in backward too.
+
+A config is duck-typed: any object (core.config.LoRAConfig, a dict) with the field names below.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.quant import NF4Weight, nf4_linear, quantize_nf4
+
+# The fields read from a config, with core.config.LoRAConfig's defaults.
+DEFAULTS: dict[str, Any] = dict(
+    rank=16, alpha=32.0, dropout=0.0, targets="all-linear", use_rslora=False, use_dora=False,
+    init_lora_weights="kaiming", quantize_base=None, double_quant=False, modules_to_save=(),
+    adapter_names=("default",), exclude=None,
+)
+OUTPUT_HEADS = ("lm_head", "output")  # left out of "all-linear" unless `exclude` says otherwise
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear (dense or NF4) plus named low-rank adapters."""
+
+    def __init__(self, base: nn.Linear, quantize: bool = False, double_quant: bool = True):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        if quantize:
+            self.weight = NF4Weight(quantize_nf4(base.weight, double_quant=double_quant))
+        else:
+            self.weight = base.weight.requires_grad_(False)  # the same Parameter: no copy
+        self.register_parameter("bias", base.bias)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.lora_A = nn.ParameterDict()  # name -> (r, in)
+        self.lora_B = nn.ParameterDict()  # name -> (out, r)
+        self.lora_magnitude = nn.ParameterDict()  # name -> (out,), DoRA adapters only
+        self.configs: dict[str, dict[str, Any]] = {}
+        self.scaling: dict[str, float] = {}
+        self.active_adapter: str | None = None
+        self.disabled = False
+        self.merged: list[str] = []  # merged adapters are part of `weight`, in merge order
+        self._merged_norm: dict[str, torch.Tensor] = {}  # DoRA: the norm used at merge time
+        self.routing: torch.Tensor | None = None  # (B,) local adapter index; see route_adapters
+        self.base_rewritten = False  # PiSSA moved part of W into an adapter
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.weight, NF4Weight)
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self.lora_A.keys())
+
+    def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense frozen weight (dequantized for an NF4 base)."""
+        if self.quantized:
+            return self.weight.dequantize(dtype)
+        return self.weight if dtype is None else self.weight.to(dtype)
+
+    def add_adapter(
+        self, name: str, rank: int, alpha: float, dropout: float = 0.0,
+        use_rslora: bool = False, use_dora: bool = False, init: str = "kaiming",
+    ) -> None:
+        """init: "kaiming" (A ~ Kaiming-uniform(a=sqrt(5)), as nn.Linear and peft), "gaussian"
+        (A ~ N(0, 1/r^2), peft's), or "pissa" (Meng et al. 2024: A, B from the top-r singular
+        triplets of W, and W := W - s B A, so the output is unchanged but the base is not)."""
+        if name in self.lora_A:
+            raise ValueError(f"adapter {name!r} already exists on this layer")
+        if init not in ("kaiming", "gaussian", "pissa"):
+            raise ValueError(f"init_lora_weights must be kaiming, gaussian or pissa, got {init!r}")
+        ref = self.weight.packed if self.quantized else self.weight
+        kw = dict(device=ref.device, dtype=self.weight.dtype)
+        a = torch.empty(rank, self.in_features, **kw)
+        if init == "gaussian":
+            nn.init.normal_(a, std=1 / rank)
+        else:
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        self.lora_A[name] = nn.Parameter(a)
+        self.lora_B[name] = nn.Parameter(torch.zeros(self.out_features, rank, **kw))
+        self.scaling[name] = alpha / (math.sqrt(rank) if use_rslora else rank)
+        self.configs[name] = dict(rank=rank, alpha=alpha, dropout=dropout, use_rslora=use_rslora,
+                                  use_dora=use_dora, init_lora_weights=init)
+        if init == "pissa":
+            self._init_pissa(name)
+        if use_dora:  # m = ||W + s B A|| (= ||W|| unless PiSSA), so the output starts unchanged
+            self.lora_magnitude[name] = nn.Parameter(self._weight_norm(name, dtype=kw["dtype"]))
+        if self.active_adapter is None:
+            self.active_adapter = name
+
+    @torch.no_grad()
+    def _init_pissa(self, name: str) -> None:
+        if self.quantized:
+            raise ValueError("PiSSA rewrites the base weight: not with an NF4 base")
+        r, s = self.configs[name]["rank"], self.scaling[name]
+        u, sv, vh = torch.linalg.svd(self.weight.float(), full_matrices=False)
+        root = (sv[:r] / s).sqrt()  # s B A = U_r S_r V_r^T
+        self.lora_A[name].copy_(root[:, None] * vh[:r])
+        self.lora_B[name].copy_(u[:, :r] * root)
+        delta = s * (self.lora_B[name].float() @ self.lora_A[name].float())
+        self.weight.copy_(self.weight.float() - delta)
+        self.base_rewritten = True
+
+    def delete_adapter(self, name: str) -> None:
+        if name in self.merged:
+            raise RuntimeError(f"adapter {name!r} is merged; unmerge it before deleting")
+        for params in (self.lora_A, self.lora_B, self.lora_magnitude):
+            if name in params:
+                del params[name]
+        del self.configs[name], self.scaling[name]
+        if self.active_adapter == name:
+            self.active_adapter = None  # no silent switch to another adapter: set_adapter again
+
+    # --- forward ---------------------------------------------------------------------------
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T, no bias."""
+        return nf4_linear(x, self.weight.tensor) if self.quantized else F.linear(x, self.weight)
+
+    def _weight_norm(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """||W + s B A|| per output row, detached (DoRA section 4.3), shape (out,)."""
+        with torch.no_grad():
+            w = self.base_weight(torch.float32)
+            w = w + self.scaling[name] * (self.lora_B[name].float() @ self.lora_A[name].float())
+            return w.norm(dim=1).to(dtype or self.lora_magnitude[name].dtype)
+
+    def _dora_out(self, base, x, xd, mag, lora):
+        # m/n (W + sBA) x + b == base + (m/n - 1) xd W^T + (m/n) lora  (xd: the dropped-out input)
+        if xd is x:
+            dense = base if self.bias is None else base - self.bias
+        else:
+            dense = self._dense(xd)
+        return base + (mag - 1) * dense + mag * lora
+
+    def forward(self, x: torch.Tensor, adapter_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (..., in). adapter_ids: (B,) indices into `self.adapters` (len(adapters) = none)."""
+        base = self._dense(x)
+        if self.bias is not None:
+            base = base + self.bias
+        if self.disabled:
+            if self.merged:
+                raise RuntimeError(f"adapters {self.merged} are merged; unmerge before disabling")
+            return base
+        ids = adapter_ids if adapter_ids is not None else self.routing
+        if ids is not None:
+            return self._routed_forward(x, base, ids)
+        name = self.active_adapter
+        if name is None or name in self.merged:
+            return base
+        p, s = self.configs[name]["dropout"], self.scaling[name]
+        xd = F.dropout(x, p) if (self.training and p > 0) else x
+        lora = F.linear(F.linear(xd, self.lora_A[name]), self.lora_B[name]) * s
+        if name not in self.lora_magnitude:
+            return base + lora
+        mag = self.lora_magnitude[name] / self._weight_norm(name)
+        return self._dora_out(base, x, xd, mag, lora)
+
+    def _routed_forward(self, x: torch.Tensor, base: torch.Tensor, ids: torch.Tensor):
+        """Example b uses adapter ids[b]: gather each example's A/B, two batched matmuls."""
+        if self.merged:
+            raise RuntimeError(f"adapters {self.merged} are merged; unmerge before routing")
+        names, bsz = self.adapters, x.shape[0]
+        if ids.shape != (bsz,):
+            raise ValueError(f"adapter_ids must have shape ({bsz},), got {tuple(ids.shape)}")
+        if not names:
+            return base
+        ids = ids.to(x.device, torch.long)
+        r = max(self.configs[n]["rank"] for n in names)
+        # Adapters padded to the largest rank; a last all-zero adapter stands for "none".
+        pad_a = [F.pad(self.lora_A[n], (0, 0, 0, r - self.configs[n]["rank"])) for n in names]
+        pad_b = [F.pad(self.lora_B[n], (0, r - self.configs[n]["rank"])) for n in names]
+        a = torch.stack(pad_a + [pad_a[0].new_zeros(r, self.in_features)])  # (N+1, r, in)
+        b = torch.stack(pad_b + [pad_b[0].new_zeros(self.out_features, r)])  # (N+1, out, r)
+        s = x.new_tensor([self.scaling[n] for n in names] + [0.0])[ids]  # (B,)
+        p = x.new_tensor([self.configs[n]["dropout"] for n in names] + [0.0])[ids]  # (B,)
+
+        x3 = x.reshape(bsz, -1, self.in_features)  # (B, T, in)
+        xd3 = x3
+        if self.training and any(self.configs[n]["dropout"] > 0 for n in names):
+            keep = (torch.rand_like(x3) >= p[:, None, None]).to(x3.dtype)
+            xd3 = x3 * keep / (1 - p)[:, None, None]
+        h = torch.bmm(xd3, a[ids].transpose(1, 2))  # (B, T, r)
+        lora = torch.bmm(h, b[ids].transpose(1, 2)) * s[:, None, None]  # (B, T, out)
+        lora = lora.view(*x.shape[:-1], self.out_features)
+        if not any(n in self.lora_magnitude for n in names):
+            return base + lora
+        ones = a.new_ones(self.out_features)
+        mags = [self.lora_magnitude[n] / self._weight_norm(n) if n in self.lora_magnitude else ones
+                for n in names]
+        mag = torch.stack(mags + [ones])[ids]  # (B, out)
+        mag = mag.view(bsz, *[1] * (x.dim() - 2), self.out_features)
+        xd = x if xd3 is x3 else xd3.view_as(x)
+        return self._dora_out(base, x, xd, mag, lora)
+
+    # --- merge -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def merge(self, name: str) -> None:
+        if self.quantized:
+            raise RuntimeError("cannot merge a LoRA adapter into an NF4-quantized base weight; "
+                               "load the base dense (quantize_base=False) to merge")
+        if name in self.merged:
+            raise RuntimeError(f"adapter {name!r} is already merged")
+        w = self.weight.float()  # aliases an fp32 weight: then updated in place, fine
+        w += self.scaling[name] * (self.lora_B[name].float() @ self.lora_A[name].float())
+        if name in self.lora_magnitude:
+            norm = self._merged_norm[name] = w.norm(dim=1)
+            w *= (self.lora_magnitude[name].float() / norm)[:, None]
+        self.weight.copy_(w)
+        self.merged.append(name)
+
+    @torch.no_grad()
+    def unmerge(self, name: str) -> None:
+        if name not in self.merged:
+            raise RuntimeError(f"adapter {name!r} is not merged")
+        later = self.merged[self.merged.index(name):]
+        if len(later) > 1 and any(n in self.lora_magnitude for n in later):
+            raise RuntimeError(f"DoRA merges do not commute: unmerge {later[::-1]} in that order")
+        w = self.weight.float()
+        if name in self.lora_magnitude:
+            w /= (self.lora_magnitude[name].float() / self._merged_norm.pop(name))[:, None]
+        w -= self.scaling[name] * (self.lora_B[name].float() @ self.lora_A[name].float())
+        self.weight.copy_(w)
+        self.merged.remove(name)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, adapters={self.adapters}, "
+                f"active={self.active_adapter!r}, quantized={self.quantized}")
+
+
+# --- model-level API ---------------------------------------------------------------------------
+
+
+def _resolve(cfg: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    out = dict(DEFAULTS)
+    if cfg is not None:
+        get = cfg.get if isinstance(cfg, dict) else (lambda k, d: getattr(cfg, k, d))
+        out.update({k: get(k, v) for k, v in out.items()})
+    unknown = set(kwargs) - set(DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown LoRA option(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    out.update(kwargs)
+    if int(out["rank"]) < 1 or not 0.0 <= float(out["dropout"]) < 1.0:
+        raise ValueError(f"LoRA needs rank >= 1 and 0 <= dropout < 1, got {out}")
+    if out["quantize_base"] not in (None, False, True, "nf4"):
+        raise ValueError(f"quantize_base must be 'nf4' or None, got {out['quantize_base']!r}")
+    out["quantize_base"] = out["quantize_base"] not in (None, False)
+    return out
+
+
+def _is_all_linear(targets: str | Sequence[str]) -> bool:
+    return targets in ("all-linear", ["all-linear"], ("all-linear",))
+
+
+def _matches(name: str, spec: str | Sequence[str]) -> bool:
+    """A string is a regex on the full module name (peft's rule). A list holds exact names,
+    suffixes ("q_proj" matches "layers.0.attn.q_proj"), globs ("mlp.*") or "re:<regex>"."""
+    if isinstance(spec, str):
+        return re.fullmatch(spec, name) is not None
+    for t in spec:
+        if t.startswith("re:"):
+            hit = re.fullmatch(t[3:], name) is not None
+        else:  # "*." + t: t may match the tail of the name, on a "." boundary
+            hit = fnmatchcase(name, t) or fnmatchcase(name, "*." + t)
+        if hit:
+            return True
+    return False
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoRALinear):
+            yield name, mod
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """Adapters in order of first appearance (creation order when they share targets)."""
+    names: dict[str, None] = {}
+    for _, mod in lora_modules(model):
+        names.update(dict.fromkeys(mod.adapters))
+    return list(names)
+
+
+def apply_lora(
+    model: nn.Module, cfg: Any = None, adapter_name: str | Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[str]:
+    """Wrap the targeted nn.Linear layers (or reuse existing wrappers) and add the adapter(s)
+    `adapter_name` (default: the config's adapter_names; the first added becomes active).
+    The first call freezes everything but the adapters (and `modules_to_save`, trained in full).
+    Returns the targeted module names.
+
+    targets: "all-linear" or ["all-linear"] (every nn.Linear but the output head), a regex, or a
+    list of exact names / suffixes / globs / "re:<regex>". exclude: the same forms, default
+    OUTPUT_HEADS for all-linear.
+    """
+    c = _resolve(cfg, kwargs)
+    if isinstance(adapter_name, str):
+        adapter_name = [adapter_name]
+    names = list(adapter_name or c["adapter_names"] or ["default"])
+    for n in names:
+        if not n or "." in n:
+            raise ValueError(f"adapter names must be non-empty and contain no '.', got {n!r}")
+    targets, exclude = c["targets"], c["exclude"]
+    all_linear = _is_all_linear(targets)
+    if exclude is None:
+        exclude = OUTPUT_HEADS if all_linear else ()
+    first_call = next(lora_modules(model), None) is None
+    chosen = []
+    for name, mod in model.named_modules():
+        # Exact type: a subclass (a parallel layer, a quantized layer) has its own forward.
+        if not name or not (type(mod) is nn.Linear or isinstance(mod, LoRALinear)):
+            continue
+        if (all_linear or _matches(name, targets)) and not _matches(name, exclude):
+            chosen.append(name)
+    if not chosen:
+        raise ValueError(f"no nn.Linear in {type(model).__name__} matches targets={targets!r} "
+                         f"(exclude={exclude!r})")
+    for name in chosen:
+        mod = model.get_submodule(name)
+        if not isinstance(mod, LoRALinear):
+            mod = LoRALinear(mod, quantize=c["quantize_base"], double_quant=c["double_quant"])
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, mod)
+        elif c["quantize_base"] != mod.quantized:
+            raise ValueError(f"{name}: quantize_base={c['quantize_base']} but the layer was "
+                             f"wrapped with quantize_base={mod.quantized}")
+        for n in names:
+            mod.add_adapter(n, int(c["rank"]), float(c["alpha"]), float(c["dropout"]),
+                            bool(c["use_rslora"]), bool(c["use_dora"]), c["init_lora_weights"])
+    if first_call:
+        model.requires_grad_(False)
+    for p in lora_parameters(model):
+        p.requires_grad_(True)
+    if c["modules_to_save"]:
+        saved = [n for n, _ in model.named_modules() if n and _matches(n, c["modules_to_save"])]
+        if not saved:
+            raise ValueError(f"modules_to_save={c['modules_to_save']!r} matches no module")
+        for n in saved:
+            model.get_submodule(n).requires_grad_(True)
+    return chosen
+
+
+def add_adapter(model: nn.Module, name: str, cfg: Any = None, **kwargs: Any) -> list[str]:
+    """Add another adapter (apply_lora under another name)."""
+    return apply_lora(model, cfg, adapter_name=name, **kwargs)
+
+
+def _with_adapter(model: nn.Module, name: str) -> list[LoRALinear]:
+    mods = [m for _, m in lora_modules(model) if name in m.lora_A]
+    if not mods:
+        raise KeyError(f"no LoRA adapter named {name!r}; adapters: {adapter_names(model)}")
+    return mods
+
+
+def set_adapter(model: nn.Module, name: str) -> None:
+    """Make `name` the active adapter; layers without it run their base only."""
+    _with_adapter(model, name)
+    for _, mod in lora_modules(model):
+        mod.active_adapter = name if name in mod.lora_A else None
+
+
+def delete_adapter(model: nn.Module, name: str) -> None:
+    for mod in _with_adapter(model, name):
+        mod.delete_adapter(name)
+
+
+def merge_lora(model: nn.Module, name: str = "default") -> None:
+    """Fold adapter `name` into the base weights (not allowed on an NF4 base)."""
+    for mod in _with_adapter(model, name):
+        mod.merge(name)
+
+
+def unmerge_lora(model: nn.Module, name: str = "default") -> None:
+    """Exact inverse of merge_lora, up to floating-point rounding."""
+    for mod in _with_adapter(model, name):
+        mod.unmerge(name)
+
+
+@contextmanager
+def disable_adapter(model: nn.Module) -> Iterator[None]:
+    """Inside, the model computes exactly its base outputs (DPO's reference model). Refused
+    where that is not the pre-LoRA model: merged adapters, a PiSSA-rewritten base, or weights
+    outside the adapters being trained (modules_to_save)."""
+    mods = [m for _, m in lora_modules(model)]
+    merged = [m.merged for m in mods if m.merged]
+    if merged:
+        raise RuntimeError(f"adapters {merged[0]} are merged; unmerge before disable_adapter")
+    if any(m.base_rewritten for m in mods):
+        raise RuntimeError("PiSSA moved part of the base weights into the adapters; "
+                           "disable_adapter would not give the original model")
+    own = {id(p) for p in lora_parameters(model)}
+    full = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in own]
+    if full:
+        raise RuntimeError(f"{full[:3]} are trained in full (modules_to_save); "
+                           "disable_adapter would not give the base model")
+    prev = [m.disabled for m in mods]
+    for m in mods:
+        m.disabled = True
+    try:
+        yield
+    finally:
+        for m, d in zip(mods, prev):
+            m.disabled = d
+
+
+@contextmanager
+def route_adapters(
+    model: nn.Module, adapter_ids: torch.Tensor | Sequence[int] | Sequence[str],
+    names: Sequence[str] | None = None,
+) -> Iterator[None]:
+    """Inside, example b of every batch uses adapter names[adapter_ids[b]] (or the adapter
+    named by adapter_ids[b]); names defaults to adapter_names(model). Layers lacking that adapter
+    add nothing for that example. Model code needs no extra argument."""
+    names = list(names) if names is not None else adapter_names(model)
+    if len(adapter_ids) and isinstance(adapter_ids[0], str):
+        unknown = set(adapter_ids) - set(names)
+        if unknown:
+            raise KeyError(f"unknown adapter(s) {sorted(unknown)}; adapters: {names}")
+        adapter_ids = [names.index(n) for n in adapter_ids]
+    ids = torch.as_tensor(adapter_ids, dtype=torch.long)
+    if ids.dim() != 1 or (ids.numel() and (ids.min() < 0 or ids.max() >= len(names))):
+        raise ValueError(f"adapter_ids must be a 1-D tensor of indices into {names}, got {ids}")
+    mods = [m for _, m in lora_modules(model)]
+    prev = [m.routing for m in mods]
+    for m in mods:
+        local = {n: i for i, n in enumerate(m.adapters)}
+        lut = torch.tensor([local.get(n, len(local)) for n in names], device=ids.device)
+        m.routing = lut[ids]
+    try:
+        yield
+    finally:
+        for m, r in zip(mods, prev):
+            m.routing = r
+
+
+def lora_parameters(model: nn.Module, name: str | None = None) -> Iterator[nn.Parameter]:
+    """A, B (and DoRA magnitudes) of adapter `name`, or of every adapter."""
+    for _, mod in lora_modules(model):
+        for params in (mod.lora_A, mod.lora_B, mod.lora_magnitude):
+            for n, p in params.items():
+                if name is None or n == name:
+                    yield p
+
+
+def count_trainable(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; an NF4 weight counts its logical size."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    total += sum(m.weight.numel() for _, m in lora_modules(model) if m.quantized)
+    return trainable, total
+
+
+def _adapter_params(model: nn.Module, name: str) -> dict[str, nn.Parameter]:
+    """`<module>.lora_A` / `.lora_B` / `.lora_magnitude` -> adapter `name`'s parameter."""
+    out = {f"{mname}.{kind}": getattr(mod, kind)[name]
+           for mname, mod in lora_modules(model)
+           for kind in ("lora_A", "lora_B", "lora_magnitude") if name in getattr(mod, kind)}
+    if not out:
+        raise KeyError(f"no LoRA adapter named {name!r}; adapters: {adapter_names(model)}")
+    return out
+
+
+def adapter_state_dict(model: nn.Module, name: str = "default") -> dict[str, torch.Tensor]:
+    """Adapter `name` only, keyed `<module>.lora_A` / `.lora_B` / `.lora_magnitude` (no adapter
+    name in the key, so it loads under any name)."""
+    return {k: p.detach() for k, p in _adapter_params(model, name).items()}
+
+
+def load_adapter_state_dict(
+    model: nn.Module, state: dict[str, torch.Tensor], name: str = "default"
+) -> None:
+    """Copy an adapter_state_dict into existing adapter `name` (create it with apply_lora and
+    the same rank/targets first). Every key must match, both ways."""
+    own = _adapter_params(model, name)
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    if missing or unexpected:
+        raise KeyError(f"adapter {name!r}: missing keys {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for key, p in own.items():
+            if state[key].shape != p.shape:
+                raise ValueError(f"{key}: shape {tuple(state[key].shape)} != {tuple(p.shape)}")
+            p.copy_(state[key])
+
+
+def adapter_config(model: nn.Module, name: str = "default") -> dict[str, Any]:
+    """rank/alpha/dropout/use_rslora/use_dora/init and the target module names (PEFT export)."""
+    targets = [n for n, m in lora_modules(model) if name in m.lora_A]
+    first = _with_adapter(model, name)[0]
+    return dict(first.configs[name], targets=targets)
