@@ -435,3 +435,7 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
                  "chat_template.jinja", "chat_template.json", "generation_config.json"):
         if (Path(src) / name).exists():
             shutil.copy2(Path(src) / name, Path(dst) / name)
+
+
+# PEFT-format adapter export/import lives beside this module; re-exported for one import path.
+from registry.adapters import load_adapter, save_adapter  # noqa: E402,F401

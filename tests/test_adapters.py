@@ -1,0 +1,62 @@
+"""Adapters trained here load with peft onto the transformers model and give the same logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from core.lora import apply_lora, lora_parameters
+from registry.adapters import load_adapter, save_adapter
+from registry.hf import CheckpointError, load_pretrained
+from tests.hf_models import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2")
+    make_hf_model("qwen2", path)
+    return path
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_adapter_loads_in_peft_with_same_logits(qwen_dir, tmp_path, use_dora):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ours = load_pretrained(qwen_dir).eval()
+    apply_lora(ours, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], use_dora=use_dora,
+               use_rslora=True)
+    with torch.no_grad():  # a trained-looking adapter: B is not zero
+        for p in lora_parameters(ours):
+            p.add_(torch.randn_like(p) * 0.05)
+    save_adapter(ours, tmp_path / "adapter", base_model=str(qwen_dir))
+    hf = AutoModelForCausalLM.from_pretrained(qwen_dir, attn_implementation="sdpa")
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (peft_model(ids).logits - ours(ids)).abs().max().item()
+    assert diff < 1e-4, diff
+
+    # and back: a PEFT directory loads here onto a fresh base
+    fresh = load_pretrained(qwen_dir).eval()
+    wrapped = load_adapter(fresh, tmp_path / "adapter")
+    assert len(wrapped) == 3 * 3  # three targets in each of the three layers
+    with torch.no_grad():
+        assert (fresh(ids) - ours(ids)).abs().max() < 1e-5
+
+
+def test_bad_adapters_are_rejected(qwen_dir, tmp_path):
+    ours = load_pretrained(qwen_dir)
+    apply_lora(ours, rank=2, alpha=4, targets=["q_proj"])
+    out = save_adapter(ours, tmp_path / "a")
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    cfg["peft_type"] = "IA3"
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="peft_type 'IA3'"):
+        load_adapter(load_pretrained(qwen_dir), out)
+    with pytest.raises(CheckpointError, match="adapter_config.json: missing"):
+        load_adapter(load_pretrained(qwen_dir), tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="no path parts"):
+        save_adapter(ours, tmp_path / "b", name="../escape")
