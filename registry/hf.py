@@ -437,5 +437,15 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
             shutil.copy2(Path(src) / name, Path(dst) / name)
 
 
-# PEFT-format adapter export/import lives beside this module; re-exported for one import path.
-from registry.adapters import load_adapter, save_adapter  # noqa: E402,F401
+def save_adapter(model, path, name: str = "default", base_model: str | None = None) -> Path:
+    """Write a LoRA adapter in PEFT's format (implemented in registry/adapters.py)."""
+    from registry.adapters import save_adapter as save
+
+    return save(model, path, name, base_model)
+
+
+def load_adapter(model, path, name: str = "default") -> list[str]:
+    """Add a PEFT-format LoRA adapter to `model` (implemented in registry/adapters.py)."""
+    from registry.adapters import load_adapter as load
+
+    return load(model, path, name)
