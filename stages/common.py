@@ -1,0 +1,187 @@
+"""What every stage does the same way: read its spec, join the process group, find its model,
+tokenizer and data from upstream manifests, show progress, and write its outputs.
+
+Stages compose these functions; there is no stage base class (torchtune's recipe shape)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from core.config import ModelConfig, StageConfig, from_json_file
+from core.manifest import ManifestError, is_stage_dir, read_manifest
+from core.model import Transformer, build_model, get_preset
+
+C = TypeVar("C", bound=StageConfig)
+log = logging.getLogger("posttrain")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StageError(RuntimeError):
+    """A stage cannot run with its inputs; the message says which input and why."""
+
+
+def parse_spec(cls: type[C], argv: list[str] | None = None) -> C:
+    parser = argparse.ArgumentParser(description=f"posttrain stage ({cls.__name__})")
+    parser.add_argument("--config", required=True, help="stage spec JSON (core.config.to_json_file)")
+    return from_json_file(cls, parser.parse_args(argv).config)
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.world > 1:
+            t = t.to(self.device) if self.device.type == "cuda" else t
+            dist.all_reduce(t)
+        return t.cpu().tolist()
+
+
+def init_distributed() -> Dist:
+    """Join torchrun's process group (gloo on CPU, NCCL on GPUs); a plain single process if not
+    launched by torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    return Dist(rank, world, local_rank, device)
+
+
+def close_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and tokenizers from presets, HF directories or upstream stage outputs
+
+
+def resolve_model_dir(name_or_path: str) -> tuple[Path | None, dict | None]:
+    """(HF model directory, upstream manifest) for a path; (None, None) for a preset name."""
+    p = Path(name_or_path)
+    if is_stage_dir(p):
+        manifest = read_manifest(p)
+        model_rel = manifest["outputs"].get("model")
+        if model_rel is None:
+            raise StageError(f"{p}: stage {manifest['stage']!r} produced no model output")
+        return p / model_rel, manifest
+    if p.exists():
+        return p, None
+    if os.sep in name_or_path or name_or_path.startswith("."):
+        raise StageError(f"model {name_or_path!r}: no such directory (and not a preset name)")
+    return None, None
+
+
+def load_model(cfg: ModelConfig, device: torch.device, seed: int = 0) -> tuple[Transformer, dict | None]:
+    """The model a stage starts from (on `device`, in cfg.dtype), and its upstream manifest."""
+    from registry.hf import load_pretrained
+
+    model_dir, manifest = resolve_model_dir(cfg.name_or_path)
+    dtype = DTYPES[cfg.dtype]
+    if model_dir is None:
+        try:
+            args = get_preset(cfg.name_or_path, **cfg.overrides)
+        except KeyError as e:
+            raise StageError(str(e.args[0])) from None
+        return build_model(args, device=device, dtype=dtype, seed=seed), None
+    if cfg.overrides:
+        raise StageError(f"model.overrides apply to presets only, not to the checkpoint {model_dir}")
+    return load_pretrained(model_dir, dtype=dtype, device=device), manifest
+
+
+def find_tokenizer_dir(*candidates: str | Path | None) -> Path:
+    """The first candidate that is (or whose manifest names) a tokenizer directory."""
+    for c in candidates:
+        if c is None:
+            continue
+        p = Path(c)
+        if is_stage_dir(p):
+            outputs = read_manifest(p)["outputs"]
+            for key in ("tokenizer", "model"):
+                if key in outputs and (p / outputs[key] / "tokenizer.json").exists():
+                    return p / outputs[key]
+        elif (p / "tokenizer.json").exists():
+            return p
+    raise StageError(f"no tokenizer.json found in any of {[str(c) for c in candidates if c]}")
+
+
+def load_tokenizer(*candidates: str | Path | None):
+    from registry.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(find_tokenizer_dir(*candidates))
+
+
+def data_files(source: str | Path, fmt: str, split: str) -> list[Path]:
+    """Data files of `split` from a data-prep stage dir, or the source itself."""
+    p = Path(source)
+    if is_stage_dir(p):
+        key = f"{fmt}_{split}"
+        outputs = read_manifest(p)["outputs"]
+        if key not in outputs:
+            raise StageError(f"{p}: data prep produced no {key!r} (has {sorted(outputs)})")
+        return [p / outputs[key]]
+    if not p.exists():
+        raise StageError(f"data source {p}: no such file or directory")
+    return [p]
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress
+
+
+@contextlib.contextmanager
+def progress(total: int, description: str, enabled: bool = True) -> Iterator[Any]:
+    """A rich progress bar on rank 0 (`advance(n, **fields)`), a no-op elsewhere."""
+    if not enabled or not sys.stderr.isatty() and os.environ.get("POSTTRAIN_PROGRESS") != "1":
+        yield lambda n=1, **kw: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), TextColumn("{task.fields[info]}")) as bar:
+        task = bar.add_task(description, total=total, info="")
+
+        def advance(n: int = 1, **fields: float) -> None:
+            info = " ".join(f"{k}={v:.4g}" for k, v in fields.items())
+            bar.update(task, advance=n, info=info)
+
+        yield advance
+
+
+def dump_json(path: str | Path, obj: Any) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+__all__ = ["Dist", "ManifestError", "StageError", "data_files", "find_tokenizer_dir", "init_distributed",
+           "load_model", "load_tokenizer", "parse_spec", "progress", "resolve_model_dir"]
