@@ -236,6 +236,18 @@ class LoRALinear(nn.Module):
         self.merged.append(name)
 
     @torch.no_grad()
+    def merged_weight(self, name: str | None) -> torch.Tensor:
+        """The dense weight with adapter `name` folded in (the base if None), leaving the layer
+        as it is; works on NF4 bases too (dequantized), which is how QLoRA exports."""
+        w = self.base_weight().float()
+        if name is None or name in self.merged:
+            return w.to(self.lora_A[name].dtype if name else w.dtype)
+        w = w + self.scaling[name] * (self.lora_B[name].float() @ self.lora_A[name].float())
+        if name in self.lora_magnitude:
+            w = w * (self.lora_magnitude[name].float() / w.norm(dim=1))[:, None]
+        return w.to(self.lora_A[name].dtype)
+
+    @torch.no_grad()
     def unmerge(self, name: str) -> None:
         if name not in self.merged:
             raise RuntimeError(f"adapter {name!r} is not merged")
@@ -389,6 +401,25 @@ def set_adapter(model: nn.Module, name: str) -> None:
 def delete_adapter(model: nn.Module, name: str) -> None:
     for mod in _with_adapter(model, name):
         mod.delete_adapter(name)
+
+
+def merged_state_dict(model: nn.Module, name: str | None = "default") -> dict[str, torch.Tensor]:
+    """The model's state dict as a plain (adapter-free) model would have it, with adapter `name`
+    folded into each wrapped weight; the model itself is not changed. For HF export."""
+    wrapped = dict(lora_modules(model))
+    out = {}
+    for key, value in model.state_dict().items():
+        module, _, leaf = key.rpartition(".")
+        owner = next((m for m in wrapped if module == m or module.startswith(m + ".")), None)
+        if owner is None:
+            out[key] = value
+        elif key == f"{owner}.weight" or module == f"{owner}.weight":  # dense or NF4 parts
+            if f"{owner}.weight" not in out:
+                layer = wrapped[owner]
+                out[f"{owner}.weight"] = layer.merged_weight(name if name in layer.lora_A else None)
+        elif key == f"{owner}.bias":
+            out[key] = value
+    return out
 
 
 def merge_lora(model: nn.Module, name: str = "default") -> None:

@@ -89,11 +89,14 @@ class Trainer:
         autocast_dtype: torch.dtype | None = None,
         dp_group: dist.ProcessGroup | None = None,
         grads_are_averaged: bool = False,
+        sync_grads: bool = False,
     ):
         """model: already parallelized (core.parallel.parallelize) and on its device.
         dp_group: the data-parallel group over which token counts are summed.
         grads_are_averaged: True when the DP wrapper (DDP, FSDP) averages gradients over ranks,
-        so the token normalization must undo that division."""
+        so the token normalization must undo that division.
+        sync_grads: all-reduce (sum) gradients over dp_group at optim_step: plain data
+        parallelism for a model no wrapper shards (small models, LoRA adapters)."""
         self.model = model
         self.cfg = optim
         self.total_steps = total_steps
@@ -111,6 +114,7 @@ class Trainer:
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.grads_are_averaged = grads_are_averaged
+        self.sync_grads = sync_grads and dp_group is not None and self.dp_size > 1
         self.step = 0
         self.skipped_steps = 0
         self._reset_accum()
@@ -153,6 +157,12 @@ class Trainer:
         if self.dp_group is not None:
             dist.all_reduce(totals, group=self.dp_group)
         tokens, loss_sum = totals.tolist()
+        if self.sync_grads:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all gradients
+            dist.all_reduce(flat, group=self.dp_group)
+            for p, g in zip(self.params, flat.split([g.numel() for g in grads])):
+                p.grad = g.view_as(p)
         scale = (self.dp_size if self.grads_are_averaged else 1.0) / max(tokens, 1.0)
         for p in self.params:
             if p.grad is not None:

@@ -313,8 +313,7 @@ def load_pretrained(
         model = Transformer(args)
     state = load_hf_state_dict(path, model, dtype, device)
     model.load_state_dict(state, strict=False, assign=True)
-    if args.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
+    model.tie_weights()
     model.init_buffers()
     return model
 
@@ -360,11 +359,13 @@ def _hf_names(adapter: StateDictAdapter, key: str, ref: torch.Tensor) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
 
 
-def hf_state_dict(model: Transformer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's weights under HF names (experts split per expert), contiguous, in `dtype`."""
+def hf_state_dict(model: Transformer, dtype: torch.dtype | None = None,
+                  state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights (or `state`, e.g. LoRA-merged) under HF names (experts split per
+    expert), contiguous, in `dtype`."""
     adapter = ADAPTERS[model.args.family]
     out = {}
-    for key, tensor in model.state_dict().items():
+    for key, tensor in (model.state_dict() if state is None else state).items():
         if key.endswith("router.expert_bias") or (key == "lm_head.weight" and model.args.tie_embeddings):
             continue
         for name, t in adapter.to_hf(key, tensor):
@@ -373,14 +374,15 @@ def hf_state_dict(model: Transformer, dtype: torch.dtype | None = None) -> dict[
 
 
 def save_pretrained(
-    model: Transformer, path: str | Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30
+    model: Transformer, path: str | Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `model` as an HF checkpoint directory that `transformers` loads unchanged.
 
     Written into a sibling temporary directory and renamed into place, so a crash never leaves
     a half-written checkpoint at `path`."""
     path = Path(path)
-    state = hf_state_dict(model, dtype)
+    state = hf_state_dict(model, dtype, state)
     dtype = dtype or next(iter(state.values())).dtype
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))

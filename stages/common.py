@@ -185,3 +185,43 @@ def dump_json(path: str | Path, obj: Any) -> None:
 
 __all__ = ["Dist", "ManifestError", "StageError", "data_files", "find_tokenizer_dir", "init_distributed",
            "load_model", "load_tokenizer", "parse_spec", "progress", "resolve_model_dir"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracking
+
+
+class _NoRun:
+    run_id = None
+
+    def log_params(self, *a, **k): ...
+    def log_metrics(self, *a, **k): ...
+    def log_artifact(self, *a, **k): ...
+    def log_dict(self, *a, **k): ...
+    def log_text(self, *a, **k): ...
+    def set_tags(self, *a, **k): ...
+
+
+@contextlib.contextmanager
+def stage_run(cfg: StageConfig, stage: str, is_main: bool = True) -> Iterator[Any]:
+    """The stage's MLflow child run on rank 0 (nested under the pipeline's parent run when
+    MLFLOW_PARENT_RUN_ID / POSTTRAIN_PARENT_RUN_ID is set); a no-op elsewhere or when off.
+    A failure ends the run as FAILED with the exception as a tag, then propagates."""
+    tracking = cfg.tracking
+    if not is_main or tracking is None or not tracking.enabled:
+        yield _NoRun()
+        return
+    from core.config import dump_config
+    from core.tracking import Tracker
+
+    name = os.environ.get("POSTTRAIN_RUN_NAME") or stage
+    tracker = Tracker(tracking, run_name=name, tags={"posttrain.stage": stage, **tracking.tags})
+    tracker.log_params(dump_config(cfg))
+    try:
+        yield tracker
+    except BaseException as e:
+        tracker.set_tags({"posttrain.error": f"{type(e).__name__}: {e}"[:5000]})
+        tracker.end(status="FAILED")
+        raise
+    else:
+        tracker.end(status="FINISHED")

@@ -60,3 +60,21 @@ def test_bad_adapters_are_rejected(qwen_dir, tmp_path):
         load_adapter(load_pretrained(qwen_dir), tmp_path / "nowhere")
     with pytest.raises(ValueError, match="no path parts"):
         save_adapter(ours, tmp_path / "b", name="../escape")
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_merged_export_equals_adapter_model(qwen_dir, tmp_path, quantize):
+    """A LoRA (or QLoRA) model exported merged loads as a plain model with the same logits."""
+    from core.lora import merged_state_dict
+    from registry.hf import save_pretrained
+
+    ours = load_pretrained(qwen_dir).eval()
+    apply_lora(ours, rank=4, alpha=8, targets="all-linear", quantize_base="nf4" if quantize else None)
+    with torch.no_grad():
+        for p in lora_parameters(ours):
+            p.add_(torch.randn_like(p) * 0.05)
+    save_pretrained(ours, tmp_path / "merged", state=merged_state_dict(ours))
+    plain = load_pretrained(tmp_path / "merged").eval()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (plain(ids) - ours(ids)).abs().max() < 1e-4

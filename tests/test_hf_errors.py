@@ -128,3 +128,12 @@ def test_known_preset_sizes():
     assert abs(get_preset("llama-3.2-1b").num_params() / 1e9 - 1.236) < 0.01
     with pytest.raises(KeyError, match="unknown model preset 'nope'"):
         get_preset("nope")
+
+
+def test_tied_embeddings_stay_tied_after_build_and_load(tmp_path):
+    model = build_model(get_preset("debug"))
+    assert model.lm_head.weight is model.embed.weight
+    save_pretrained(model, tmp_path / "tied")
+    again = load_pretrained(tmp_path / "tied")
+    assert again.lm_head.weight is again.embed.weight
+    assert sum(p.numel() for p in model.parameters()) == get_preset("debug").num_params()

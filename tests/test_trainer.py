@@ -15,9 +15,9 @@ from core.trainer import LossOutput, Trainer, lr_lambda, param_groups
 
 
 def lm_objective(model, batch):
-    hidden = model.hidden_states(batch["input_ids"], batch.get("position_ids"))
     labels = batch["labels"]
-    loss = chunked_cross_entropy(hidden, model.output_weight, labels, reduction="sum", chunk_size=16)
+    loss = model(batch["input_ids"], batch.get("position_ids"),
+                 head=lambda h, w: chunked_cross_entropy(h, w, labels, reduction="sum", chunk_size=16))
     return LossOutput(loss, num_target_tokens(labels).sum())
 
 

@@ -118,12 +118,17 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+        self.tie_weights()
         inv_freq, self.rope_scale = rope_frequencies(
             args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when configured. Call again after anything
+        that re-creates parameters (`to_empty`, `load_state_dict(assign=True)`): they untie."""
+        if self.args.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -207,9 +212,15 @@ class Transformer(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.lm_head.weight
 
-    def forward(self, input_ids, position_ids=None, attention_mask=None, cache=None) -> torch.Tensor:
-        """Logits (B, T, vocab)."""
-        return self.lm_head(self.hidden_states(input_ids, position_ids, attention_mask, cache))
+    def forward(self, input_ids, position_ids=None, attention_mask=None, cache=None, head=None):
+        """Logits (B, T, vocab); or, given `head`, head(hidden_states, output_weight).
+
+        `head` runs the loss inside forward (fused/chunked cross entropy, log-probs, KL), so the
+        full logits never exist and parallel wrappers (FSDP, TP) see one forward call."""
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask, cache)
+        if head is not None:
+            return head(hidden, self.lm_head.weight)
+        return self.lm_head(hidden)
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
@@ -226,5 +237,6 @@ def build_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: torc
     with torch.device("meta"):
         model = Transformer(args)
     model = model.to_empty(device=device)
+    model.tie_weights()
     model.init_weights(seed)
     return model.to(dtype)

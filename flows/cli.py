@@ -1,0 +1,175 @@
+"""The `posttrain` command line.
+
+    posttrain run CONFIG.yaml [--set a.b=c ...]     the whole pipeline once, with progress
+    posttrain stage NAME CONFIG.yaml [--set ...]    one stage (data_prep, sft, distill, dpo, evaluate)
+    posttrain serve [CONFIG.yaml]                   Prefect deployments: on demand + cron retraining
+    posttrain ui                                    prefect server + mlflow server on 127.0.0.1
+    posttrain demo                                  the embedded default pipeline, end to end
+    posttrain bench sft|kernels|all                 benchmarks, JSON out
+    posttrain config [CONFIG.yaml] [--set ...]      print the resolved configuration
+    posttrain generate MODEL "prompt" ...           sample from a preset, HF dir or stage output
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("config", nargs=None if required else "?", help="YAML/JSON config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value by dotted path (repeatable)")
+
+
+def cmd_config(args) -> int:
+    from core.config import PipelineConfig, dump_config, load_config
+
+    cfg = load_config(PipelineConfig, args.config, args.overrides)
+    print(json.dumps(dump_config(cfg), indent=2))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from flows.pipeline import run_pipeline
+
+    from core.config import PipelineConfig, load_config
+
+    cfg = load_config(PipelineConfig, args.config, args.overrides)
+    result = run_pipeline(cfg)
+    return 0 if result.ok else 1
+
+
+def cmd_demo(args) -> int:
+    from flows.demo import main
+
+    return main(args.overrides)
+
+
+def cmd_stage(args) -> int:
+    from core.config import STAGE_CONFIGS, load_config
+    from stages.launch import launch_stage
+
+    if args.name not in STAGE_CONFIGS:
+        print(f"unknown stage {args.name!r}; stages: {', '.join(STAGE_CONFIGS)}", file=sys.stderr)
+        return 2
+    from core.config import LauncherConfig, TrackingConfig
+
+    spec = load_config(STAGE_CONFIGS[args.name], args.config, args.overrides)
+    spec.output_dir = spec.output_dir or str(Path("runs") / "manual" / args.name)
+    spec.launcher = spec.launcher or LauncherConfig()
+    spec.tracking = spec.tracking or TrackingConfig()
+    result = launch_stage(args.name, spec, spec.launcher, workdir=Path(spec.output_dir).parent / ".launch",
+                          on_output=lambda line: print(line, end="" if line.endswith("\n") else "\n"))
+    if result.returncode == 0 and result.manifest:
+        print(json.dumps(result.manifest.get("metrics", {}), indent=2))
+    return result.returncode
+
+
+def cmd_serve(args) -> int:
+    from flows.deploy import serve
+
+    serve(args.config, args.overrides)
+    return 0
+
+
+def cmd_ui(args) -> int:
+    from flows.ui import run_ui
+
+    return run_ui(host=args.host, prefect_port=args.prefect_port, mlflow_port=args.mlflow_port,
+                  backend_store=args.backend_store)
+
+
+def cmd_bench(args) -> int:
+    import subprocess
+
+    which = ["sft", "kernels"] if args.what == "all" else [args.what]
+    rc = 0
+    for w in which:
+        module = {"sft": "benchmarks.sft", "kernels": "benchmarks.kernels"}[w]
+        rc |= subprocess.call([sys.executable, "-m", module, *args.extra])
+    return rc
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from core.config import ModelConfig
+    from core.model.generate import SamplingParams, generate
+    from stages.common import load_model, load_tokenizer
+
+    model, _ = load_model(ModelConfig(name_or_path=args.model), torch.device("cpu"))
+    tok = load_tokenizer(args.tokenizer, args.model)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+               for p in args.prompts]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, stop_token_ids=tuple(tok.eos_ids))
+    for p, g in zip(args.prompts, generate(model.eval(), prompts, params, pad_id=tok.pad_id or 0)):
+        print(f"{p!r} -> {tok.decode(g.tokens, skip_special_tokens=True)!r} ({g.finish_reason})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run the pipeline once")
+    _add_config_args(p, required=False)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("stage", help="run one stage under its launcher")
+    p.add_argument("name", help="data_prep, sft, distill, dpo or evaluate")
+    _add_config_args(p, required=False)
+    p.set_defaults(func=cmd_stage)
+
+    p = sub.add_parser("serve", help="serve Prefect deployments (on demand + scheduled)")
+    _add_config_args(p, required=False)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("ui", help="start prefect server and mlflow server on 127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--prefect-port", type=int, default=4200)
+    p.add_argument("--mlflow-port", type=int, default=5000)
+    p.add_argument("--backend-store", default=None, help="MLflow backend store URI (default sqlite)")
+    p.set_defaults(func=cmd_ui)
+
+    p = sub.add_parser("demo", help="the embedded default pipeline, end to end")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="benchmarks (JSON on stdout)")
+    p.add_argument("what", choices=["sft", "kernels", "all"])
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="passed to the benchmark script")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("config", help="print the resolved pipeline configuration")
+    _add_config_args(p, required=False)
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("generate", help="sample completions from a model")
+    p.add_argument("model", help="preset name, HF checkpoint dir or stage output dir")
+    p.add_argument("prompts", nargs="+")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from core.config import ConfigError
+
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Evaluation: batched KV-cache generation on the held-out prompts, exact match against the
+task's verifier, perplexity on held-out responses, a table of samples, and the delta against
+the models given in `compare_to`. Prompts are split over the data-parallel ranks.
+
+    torchrun --nproc-per-node 2 -m stages.evaluate --config spec.json
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.config import EvalConfig, ModelConfig
+from core.manifest import write_manifest
+from core.model.generate import SamplingParams, generate
+from core.objectives import sft_objective
+from core.tasks import verify
+from stages.common import (Dist, close_distributed, dump_json, init_distributed, load_model, load_tokenizer,
+                           parse_spec, progress, stage_run)
+from stages.training import DeviceLoader, doc_loader, mean_loss, read_parquet, sft_documents
+from stages.common import data_files
+
+log = logging.getLogger("posttrain.evaluate")
+
+
+def eval_rows(cfg: EvalConfig) -> list[dict[str, Any]]:
+    rows = []
+    for src in cfg.data.sources:
+        rows.extend(read_parquet(data_files(src, "sft", cfg.split)))
+    return rows[: cfg.max_examples] if cfg.max_examples else rows
+
+
+@torch.no_grad()
+def evaluate_model(model_path: str, cfg: EvalConfig, rows: list[dict[str, Any]], d: Dist,
+                   advance=lambda n=1, **kw: None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Exact match (mean over prompts and samples) and perplexity of one model; samples on rank 0."""
+    model, _ = load_model(ModelConfig(name_or_path=model_path, dtype=cfg.model.dtype), d.device, cfg.seed)
+    model.eval()
+    tok = load_tokenizer(cfg.model.tokenizer, model_path, *cfg.data.sources)
+    mine = rows[d.rank :: d.world]
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                            stop_token_ids=tuple(tok.eos_ids), seed=cfg.seed + d.rank)
+    correct = total = 0.0
+    samples = []
+    for i in range(0, len(mine), cfg.batch_size):
+        chunk = mine[i : i + cfg.batch_size]
+        prompts = [tok.apply_chat_template([m for m in r["messages"] if m["role"] != "assistant"],
+                                           add_generation_prompt=True) for r in chunk]
+        for _ in range(cfg.num_samples):
+            for r, g in zip(chunk, generate(model, prompts, params, pad_id=tok.pad_id or 0)):
+                text = tok.decode(g.tokens, skip_special_tokens=True)
+                ok = verify(r["answer"], text)
+                correct += ok
+                total += 1
+                if len(samples) < 50:
+                    samples.append({"task": r.get("task"), "prompt": r["messages"][0]["content"],
+                                    "answer": r["answer"], "completion": text, "correct": bool(ok)})
+        advance(len(chunk))
+    correct, total = d.all_reduce_sum([correct, total])
+    metrics = {"exact_match": correct / max(total, 1.0)}
+    docs = sft_documents(cfg.data.sources, cfg.split, tok, cfg.data)[: cfg.max_examples or None]
+    if docs:
+        from stages.training import doc_loader as _dl  # noqa: F401  (same packing as training)
+
+        loader = DeviceLoader(doc_loader(docs, _PackCfg(cfg), d, epochs=1), d.device)
+        nll = mean_loss(model, loader, sft_objective, d)
+        metrics.update(nll=nll, perplexity=math.exp(min(nll, 50.0)))
+    return metrics, samples
+
+
+class _PackCfg:
+    """The slice of a training config doc_loader reads."""
+
+    def __init__(self, cfg: EvalConfig):
+        self.data = cfg.data
+
+
+def run(cfg: EvalConfig) -> dict:
+    d = init_distributed()
+    out = Path(cfg.output_dir or "evaluate")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = eval_rows(cfg)
+    if not rows:
+        raise SystemExit(f"evaluate: no {cfg.split!r} rows in {cfg.data.sources}")
+    targets = {"model": cfg.model.name_or_path, **{f"compare/{Path(c).name}": c for c in cfg.compare_to}}
+    results: dict[str, dict[str, float]] = {}
+    with stage_run(cfg, "evaluate", d.is_main) as run_, progress(len(rows) * len(targets), "evaluate",
+                                                                  d.is_main) as advance:
+        for name, path in targets.items():
+            metrics, samples = evaluate_model(path, cfg, rows, d, advance)
+            results[name] = metrics
+            if d.is_main and cfg.save_samples and name == "model":
+                dump_json(out / "samples.json", samples)
+        metrics = {f"{k}": v for k, v in results["model"].items()}
+        for name, m in results.items():
+            if name != "model":
+                metrics[f"delta_exact_match/{name.split('/', 1)[1]}"] = results["model"]["exact_match"] - m["exact_match"]
+        manifest = None
+        if d.is_main:
+            dump_json(out / "results.json", {"targets": targets, "results": results})
+            outputs = {"results": "results.json"}
+            if (out / "samples.json").exists():
+                outputs["samples"] = "samples.json"
+            manifest = write_manifest(out, "evaluate", outputs, metrics=metrics, config=cfg.model_dump(mode="json"),
+                                      inputs=targets, extra={"results": results, "mlflow_run_id": run_.run_id})
+            run_.log_metrics(metrics, step=0)
+            run_.log_artifact(str(out / "results.json"))
+            if (out / "samples.json").exists():
+                run_.log_artifact(str(out / "samples.json"))
+    close_distributed()
+    return manifest or {}
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse_spec(EvalConfig, argv))
+
+
+if __name__ == "__main__":
+    main()
