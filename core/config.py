@@ -434,7 +434,7 @@ class StagesEnabled(_Base):
 class RegistryConfig(_Base):
     enabled: bool = Field(True, description="Register the evaluated model in MLflow.")
     model_name: str = Field("posttrain-demo", description="Registered model name.")
-    promote_metric: str = Field("eval/accuracy", description="Metric gating candidate -> champion.")
+    promote_metric: str = Field("exact_match", description="Evaluation metric gating candidate -> champion.")
     greater_is_better: bool = Field(True, description="Direction of promote_metric.")
     min_delta: float = Field(0.0, ge=0, description="Margin the candidate must beat the champion by.")
 

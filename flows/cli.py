@@ -161,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Prefect's ephemeral API server takes ~15 s to start on a small, busy machine; its default
+    # patience is shorter. A user's own setting wins.
+    import os
+
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     args = build_parser().parse_args(argv)
     from core.config import ConfigError
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
 from pydantic import Field
 
 from core.config import StageConfig, from_json_file
@@ -32,11 +31,14 @@ _ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 
 class ProbeConfig(StageConfig):
-    fail: bool = Field(False, description="Every rank exits 3 after the all-reduce.")
+    fail: bool = Field(False, description="Every rank exits 3 at once.")
     fail_once: bool = Field(
         False, description="Rank 0 exits 3 on the first attempt only (a marker file in output_dir), "
                            "so a launch with max_restarts >= 1 succeeds on the restart.")
     sleep_s: float = Field(0.0, ge=0, description="Sleep after writing the pid files (cancel tests).")
+    ignore_sigterm: bool = Field(
+        False, description="Ranks ignore SIGTERM, like a stage stuck in a collective or a slow save: "
+                           "only the launcher's SIGKILL after the grace period stops them.")
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -51,8 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     cfg = from_json_file(ProbeConfig, parser.parse_args(argv).config)
     if cfg.output_dir is None:
         raise SystemExit("probe: output_dir must be set")
+    if cfg.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     out = Path(cfg.output_dir)
     (out / "pids").mkdir(parents=True, exist_ok=True)
+    if cfg.fail:  # before importing torch: the failure tests need no process group, only speed
+        print(f"probe: rank {os.environ.get('RANK')} failing on purpose (fail=true)", file=sys.stderr,
+              flush=True)
+        return 3
+    # Imported here so that tests which only render launch specs from ProbeConfig skip torch.
+    import torch
+    import torch.distributed as dist
 
     dist.init_process_group("gloo")  # reads RANK, WORLD_SIZE, MASTER_ADDR/PORT set by torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -64,9 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     dist.all_reduce(groups)
     _write_json(out / "pids" / f"rank{rank}.pid", {"pid": os.getpid(), "ppid": os.getppid()})
 
-    if cfg.fail:
-        print(f"probe: rank {rank} failing on purpose (fail=true)", file=sys.stderr, flush=True)
-        return 3
     marker = out / ".probe_failed_once"
     if cfg.fail_once and rank == 0 and not marker.exists():
         marker.touch()

@@ -217,6 +217,7 @@ def stage_run(cfg: StageConfig, stage: str, is_main: bool = True) -> Iterator[An
     name = os.environ.get("POSTTRAIN_RUN_NAME") or stage
     tracker = Tracker(tracking, run_name=name, tags={"posttrain.stage": stage, **tracking.tags})
     tracker.log_params(dump_config(cfg))
+    tracker.flush(timeout=60)  # creates the run, so its id can go into the stage manifest
     try:
         yield tracker
     except BaseException as e:

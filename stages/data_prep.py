@@ -18,7 +18,7 @@ from typing import Any
 from core.config import DataPrepConfig
 from core.manifest import write_manifest
 from core.tasks import TASKS, make_suite
-from stages.common import StageError, init_distributed, parse_spec
+from stages.common import StageError, init_distributed, parse_spec, stage_run
 
 log = logging.getLogger("posttrain.data_prep")
 
@@ -59,10 +59,10 @@ def normalize_text(s: str) -> str:
 def row_key(row: dict[str, Any]) -> str:
     """The text a row is deduplicated and split by: its prompt side, normalized."""
     if "messages" in row:
-        parts = [m["content"] for m in row["messages"] if m["role"] != "assistant"]
+        parts = [str(m.get("content") or "") for m in row["messages"] if m.get("role") != "assistant"]
     else:
         p = row["prompt"]
-        parts = [p] if isinstance(p, str) else [m["content"] for m in p]
+        parts = [p] if isinstance(p, str) else [str(m.get("content") or "") for m in p]
     return normalize_text(" \n".join(parts))
 
 
@@ -180,8 +180,6 @@ def main(argv: list[str] | None = None) -> None:
     d = init_distributed()
     manifest = None
     if d.is_main:  # data prep is cheap and must be written once; other ranks just wait
-        from core.tracking import stage_run
-
         with stage_run(cfg, "data_prep") as run:
             manifest = prepare(cfg)
             run.log_metrics(manifest["metrics"], step=0)

@@ -95,7 +95,7 @@ def _cpus() -> int:
 
 def rank_env(launcher: LauncherConfig, env: dict | None, base: dict | None = None, *,
              cpus: int | None = None) -> dict[str, str]:
-    """The ranks' environment: `base`, then launcher.env, then `env` (e.g. MLflow's parent run id).
+    """torchrun's and the ranks' environment: `base`, launcher.env, `env` (MLflow's parent run id).
 
     Given the node's `cpus`, OMP_NUM_THREADS (unless set) gives each rank its share of them: every
     rank at full width oversubscribes the CPU many times over, and torchrun's own default of 1
@@ -103,6 +103,11 @@ def rank_env(launcher: LauncherConfig, env: dict | None, base: dict | None = Non
     """
     out = {**(base or {}), **launcher.env, **{k: str(v) for k, v in (env or {}).items()}}
     out["PYTHONUNBUFFERED"] = "1"  # lines reach the log as they are printed, not at exit
+    if launcher.max_restarts > 0:
+        # torchrun keeps one TCP store for the workers across restarts, so a restarted group finds
+        # the previous attempt's keys (peer addresses) and gloo/NCCL dial dead ports. Opting out
+        # gives every attempt a fresh store hosted by its rank 0.
+        out.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if cpus and launcher.nproc_per_node > 1 and "OMP_NUM_THREADS" not in out:
         out["OMP_NUM_THREADS"] = str(max(1, cpus // launcher.nproc_per_node))
     return out
@@ -494,14 +499,14 @@ class Launch:
         self.log_file = Path(log_file or self.workdir / "launch.log").resolve()
         self.on_output, self.grace_s, self.nodes = on_output, grace_s, nodes
         self._runners: list = []
+        self._sink: _Sink | None = None
         self._cancelled = False
 
     def start(self) -> Launch:
         try:
             return self._start()
         except BaseException:  # e.g. sbatch refused the job, or Ctrl-C while torchrun starts
-            if hasattr(self, "_sink"):
-                self.cancel()
+            self.cancel()
             raise
 
     def _start(self) -> Launch:
@@ -518,8 +523,9 @@ class Launch:
             addr = "127.0.0.1" if self.nodes > 1 else None
             cmd = torchrun_command(self.module, spec_file, self.launcher, rdzv=rid, local_addr=addr)
             self._sink.put("posttrain: " + shlex.join(cmd))
-            self._runners = [_Node(cmd, env, self._cwd, self._sink, f"[node{i}] " if self.nodes > 1 else "")
-                             for i in range(self.nodes)]
+            for i in range(self.nodes):  # one by one, so that a cancel mid-way finds each started
+                self._runners.append(_Node(cmd, env, self._cwd, self._sink,
+                                           f"[node{i}] " if self.nodes > 1 else ""))
         elif kind == "slurm":
             script = self.workdir / "stage.sbatch"
             script.write_text(render_sbatch(self.module, spec_file, self.launcher, workdir=self.workdir,
@@ -532,12 +538,15 @@ class Launch:
         return self
 
     def wait(self) -> LaunchResult:
+        assert self._sink is not None, "start() first"
         codes: list[int | None] = [None] * len(self._runners)
+        rc = 0  # the first failure's code; the nodes stopped after it report only their SIGTERM
         try:
             with _sigterm_raises():
                 while any(c is None for c in codes):
                     codes = [c if c is not None else r.poll() for c, r in zip(codes, self._runners)]
-                    if any(c for c in codes):  # one node failed: the others would hang in collectives
+                    if not rc and (rc := next((c for c in codes if c), 0)):
+                        # One node failed: the others would hang in collectives until timeout.
                         for c, r in zip(codes, self._runners):
                             if c is None:
                                 r.terminate(self.grace_s)
@@ -550,11 +559,15 @@ class Launch:
             raise
         finally:
             self._sink.drain()
-        rc = next((c for c in codes if c), 0)
         self._sink.close()
         return LaunchResult(returncode=rc, manifest=self._manifest() if rc == 0 else None,
                             log_file=self.log_file, wall_time_s=time.monotonic() - self._t0,
                             job_id=self._runners[0].job_id)
+
+    @property
+    def pids(self) -> list[int]:
+        """The torchrun processes started here (one per node launcher)."""
+        return [r.proc.pid for r in self._runners if isinstance(r, _Node)]
 
     def _manifest(self) -> dict | None:
         if self.spec.output_dir is None:
@@ -564,7 +577,7 @@ class Launch:
 
     def cancel(self) -> None:
         """SIGTERM the whole job, SIGKILL what is left after `grace_s`; safe to call twice."""
-        if self._cancelled:
+        if self._cancelled or self._sink is None:
             return
         self._cancelled = True
         self._sink.put(f"posttrain: cancelling (grace {self.grace_s}s)")

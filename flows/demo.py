@@ -1,0 +1,54 @@
+"""`make demo`: the whole pipeline on the embedded default (configs/demo.yaml), then a table of
+each stage's metric before and after, the registered model and the commands to open the UIs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def main(overrides: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from core.config import PipelineConfig, load_config
+    from flows.pipeline import run_pipeline
+    from flows.report import stage_table
+
+    console = Console()
+    cfg = load_config(PipelineConfig, DEMO_CONFIG, overrides or [])
+    t0 = time.time()
+    result = run_pipeline(cfg)
+    wall = time.time() - t0
+
+    table = Table(title=f"posttrain demo — {wall:.0f} s")
+    for col in ("stage", "metric", "before", "after", "cached"):
+        table.add_column(col)
+    for row in stage_table(result.stages):
+        table.add_row(row["stage"], row["metric"], _fmt(row["before"]), _fmt(row["after"]), str(row["cached"]))
+    console.print(table)
+    ev = result.stages.get("evaluate")
+    if ev is not None:
+        import json
+
+        per_model = json.loads((Path(ev.output_dir) / "results.json").read_text())["results"]
+        t = Table(title="evaluation (test split)")
+        for col in ("model", "exact_match", "perplexity"):
+            t.add_column(col)
+        for name, m in per_model.items():
+            t.add_row(name, _fmt(m.get("exact_match")), _fmt(m.get("perplexity")))
+        console.print(t)
+    if result.registered:
+        r = result.registered
+        console.print(f"registered [bold]{r['model_name']}[/] v{r['version']} as {', '.join(r['aliases'])} "
+                      f"({r['metric']} = {r['candidate_value']:.3f}; champion before: {r['champion_value']})")
+    console.print(f"MLflow parent run: {result.parent_run_id}")
+    console.print("Open the UIs:  .venv/bin/posttrain ui     (Prefect http://127.0.0.1:4200, "
+                  "MLflow http://127.0.0.1:5000)")
+    return 0 if result.ok else 1

@@ -1,0 +1,81 @@
+"""`posttrain ui`: a real `prefect server` and `mlflow server` on 127.0.0.1 (SQLite by default,
+Postgres when a backend store URI says so), their URLs printed, both stopped cleanly on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status < 500:
+                    return True
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
+def start_servers(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port: int = 5000,
+                  backend_store: str | None = None, artifacts: str = "mlartifacts",
+                  timeout: float = 120.0) -> list[tuple[str, subprocess.Popen, str]]:
+    """Start both servers (each in its own process group) and wait until they answer."""
+    bindir = Path(sys.executable).parent
+    backend_store = backend_store or f"sqlite:///{Path('mlflow.db').resolve()}"
+    env = {**os.environ, "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(prefect_port)}
+    procs = [
+        ("prefect", subprocess.Popen([str(bindir / "prefect"), "server", "start", "--host", host, "--port",
+                                      str(prefect_port)], env=env, start_new_session=True),
+         f"http://{host}:{prefect_port}/api/health"),
+        ("mlflow", subprocess.Popen([str(bindir / "mlflow"), "server", "--host", host, "--port", str(mlflow_port),
+                                     "--backend-store-uri", backend_store, "--artifacts-destination",
+                                     str(Path(artifacts).resolve()), "--workers", "1"],
+                                    start_new_session=True),
+         f"http://{host}:{mlflow_port}/health"),
+    ]
+    for name, proc, health in procs:
+        if not _wait_http(health, proc, timeout):
+            stop_servers(procs)
+            raise RuntimeError(f"{name} server did not come up at {health}")
+    return procs
+
+
+def stop_servers(procs, grace: float = 10.0) -> None:
+    for _, proc, _ in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.time() + grace
+    for _, proc, _ in procs:
+        try:
+            proc.wait(max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_ui(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port: int = 5000,
+           backend_store: str | None = None) -> int:
+    procs = start_servers(host, prefect_port, mlflow_port, backend_store)
+    print(f"Prefect UI:  http://{host}:{prefect_port}")
+    print(f"MLflow UI:   http://{host}:{mlflow_port}")
+    print(f"Point runs at them:  export PREFECT_API_URL=http://{host}:{prefect_port}/api "
+          f"MLFLOW_TRACKING_URI=http://{host}:{mlflow_port}")
+    print("Ctrl-C stops both.")
+    try:
+        while all(p.poll() is None for _, p, _ in procs):
+            time.sleep(1)
+        return 1  # one died on its own
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_servers(procs)

@@ -1,0 +1,82 @@
+"""The MLflow model registry: register the pipeline's final model (HF files as artifacts, lineage
+in tags) under alias `candidate`, and move `champion` to it only when its evaluation beats the
+current champion's on the configured metric. The decision and its numbers are returned/logged."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("posttrain.registry")
+
+
+def _client(tracking_uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def should_promote(candidate: float, champion: float | None, greater_is_better: bool, min_delta: float) -> bool:
+    """Promote when there is no champion, or the candidate beats it by more than min_delta."""
+    if champion is None or math.isnan(champion):
+        return not math.isnan(candidate)
+    return candidate > champion + min_delta if greater_is_better else candidate < champion - min_delta
+
+
+def register_model(client, name: str, run_id: str, model_dir: Path, metric: str, value: float,
+                   lineage: dict[str, str]):
+    """Upload `model_dir` under the run's `model/` artifacts and create a model version of it."""
+    from mlflow.exceptions import MlflowException
+
+    client.log_artifacts(run_id, str(model_dir), artifact_path="model")
+    try:
+        client.create_registered_model(name, description="Post-trained by posttrain")
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/model"
+    tags = {f"eval.{metric}": str(value), **{f"lineage.{k}": v for k, v in lineage.items()}}
+    return client.create_model_version(name, source, run_id=run_id, tags=tags)
+
+
+def register_and_promote(cfg, results: dict[str, Any], parent_run_id: str | None) -> dict[str, Any]:
+    """Register the model the evaluation stage judged and gate `champion` on its metric."""
+    if parent_run_id is None:
+        raise RuntimeError("registry: no MLflow parent run to attach the model to")
+    reg = cfg.registry
+    evaluated = cfg.upstream("evaluate")
+    if evaluated is None:
+        raise RuntimeError("registry: the evaluation stage has no upstream model stage")
+    model_dir = Path(results[evaluated].output_dir) / "model"
+    metrics = results["evaluate"].metrics
+    if reg.promote_metric not in metrics:
+        raise KeyError(f"registry.promote_metric {reg.promote_metric!r} is not an evaluation metric "
+                       f"(have {sorted(metrics)})")
+    value = float(metrics[reg.promote_metric])
+    client = _client(cfg.tracking.tracking_uri)
+    lineage = {name: r.digest for name, r in results.items()}
+    lineage["parent_run_id"] = parent_run_id
+    version = register_model(client, reg.model_name, parent_run_id, model_dir, reg.promote_metric, value, lineage)
+    client.set_registered_model_alias(reg.model_name, "candidate", version.version)
+
+    champion_value = champion_version = None
+    try:
+        champ = client.get_model_version_by_alias(reg.model_name, "champion")
+        champion_version = champ.version
+        champion_value = float(champ.tags.get(f"eval.{reg.promote_metric}", "nan"))
+    except Exception:  # no champion yet
+        pass
+    promote = should_promote(value, champion_value, reg.greater_is_better, reg.min_delta)
+    if promote:
+        client.set_registered_model_alias(reg.model_name, "champion", version.version)
+    decision = {
+        "model_name": reg.model_name, "version": version.version, "metric": reg.promote_metric,
+        "candidate_value": value, "champion_version": champion_version, "champion_value": champion_value,
+        "promoted": promote, "aliases": ["candidate", "champion"] if promote else ["candidate"],
+    }
+    client.set_model_version_tag(reg.model_name, version.version, "promotion",
+                                 "champion" if promote else f"kept champion v{champion_version}")
+    log.info("registry decision: %s", decision)
+    return decision

@@ -1,0 +1,188 @@
+"""Direct preference optimization (and IPO, hinge, robust, SimPO): offline pairs from data, or
+on-policy pairs the policy samples itself and the task verifier ranks (best = chosen, worst =
+rejected). The reference is the base under `disable_adapter()` for LoRA policies, or log-probs
+precomputed once and cached beside the outputs. Chosen and rejected share one forward.
+
+    torchrun --nproc-per-node 2 -m stages.dpo --config spec.json
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from core.checkpoint import CheckpointManager
+from core.config import DPOConfig
+from core.data.encode import PreferencePair
+from core.lora import disable_adapter
+from core.loop import fit
+from core.manifest import digest, write_manifest
+from core.model.generate import SamplingParams, generate
+from core.objectives import dpo_objective, pair_logps
+from core.tasks import verify
+from stages.common import Dist, close_distributed, init_distributed, parse_spec, progress, stage_run
+from stages.training import (DeviceLoader, build_policy, build_trainer, clear_checkpoints, export, pair_loader,
+                             preference_pairs, to_device, total_steps)
+
+log = logging.getLogger("posttrain.dpo")
+
+
+@torch.no_grad()
+def on_policy_pairs(model, tok, rows: list[dict[str, Any]], cfg: DPOConfig, d: Dist) -> list[PreferencePair]:
+    """Sample `num_samples` completions per prompt, score them with the task verifier, keep
+    (best, worst) where they differ. Every rank samples the same prompts with the same seed, so
+    the pair list is identical everywhere without a gather."""
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.gen_temperature,
+                            stop_token_ids=tuple(tok.eos_ids), seed=cfg.seed)
+    pairs = []
+    model.eval()
+    for i in range(0, len(rows), 32):
+        chunk = rows[i : i + 32]
+        prompts = [r["prompt_ids"] for r in chunk for _ in range(cfg.num_samples)]
+        gens = generate(model, prompts, params, pad_id=tok.pad_id or 0)
+        for j, r in enumerate(chunk):
+            cands = gens[j * cfg.num_samples : (j + 1) * cfg.num_samples]
+            scored = sorted(cands, key=lambda g: -verify(r["answer"], tok.decode(g.tokens, skip_special_tokens=True)))
+            best, worst = scored[0], scored[-1]
+            if verify(r["answer"], tok.decode(best.tokens, skip_special_tokens=True)) == 0:
+                # no sample solved it: the known answer is the chosen side (as in rejection sampling)
+                best_ids = r["chosen_ids"]
+            else:
+                best_ids = best.tokens
+            worst_ok = verify(r["answer"], tok.decode(worst.tokens, skip_special_tokens=True))
+            if worst_ok or not worst.tokens or best_ids == worst.tokens:
+                continue
+            pairs.append(PreferencePair(r["prompt_ids"], best_ids, best_ids, worst.tokens, worst.tokens))
+    model.train()
+    return pairs
+
+
+@torch.no_grad()
+def reference_logps(model, pairs: list[PreferencePair], cfg: DPOConfig, d: Dist, cache: Path) -> torch.Tensor:
+    """Reference log-probs of every pair's (chosen, rejected), (P, 2), computed once with the
+    starting policy and cached under a digest of the pairs; all ranks compute all pairs so no
+    gather is needed (cheap next to training: forward only)."""
+    key = digest([[p.prompt_ids, p.chosen_ids, p.rejected_ids] for p in pairs])[:16]
+    path = cache / f"ref_logps-{key}.safetensors"
+    if path.exists():
+        return load_file(str(path))["logps"]
+    from core.data.packing import collate_preference
+
+    was = model.training
+    model.eval()
+    out = []
+    for i in range(0, len(pairs), cfg.data.micro_batch_size):
+        batch = to_device(collate_preference(pairs[i : i + cfg.data.micro_batch_size]), d.device)
+        logps, _ = pair_logps(model, batch)
+        n = batch["num_pairs"]
+        out.append(torch.stack([logps[:n], logps[n:]], dim=1).float().cpu())
+    model.train(was)
+    result = torch.cat(out)
+    if d.is_main:
+        cache.mkdir(parents=True, exist_ok=True)
+        save_file({"logps": result}, str(path))
+    d.barrier()
+    return result
+
+
+@torch.no_grad()
+def reward_accuracy(model, pairs: list[PreferencePair], objective, cfg: DPOConfig, d: Dist, ref) -> dict[str, float]:
+    """Mean DPO metrics (implicit-reward accuracy, margin) over held-out pairs."""
+    from core.data.packing import collate_preference
+
+    sums: dict[str, float] = {}
+    mine = list(range(len(pairs)))[d.rank :: d.world]
+    for i in range(0, len(mine), cfg.data.micro_batch_size):
+        units = mine[i : i + cfg.data.micro_batch_size]
+        batch = to_device(collate_preference([pairs[u] for u in units]), d.device)
+        if ref is not None:
+            batch["ref_logps"] = torch.cat([ref[units, 0], ref[units, 1]]).to(d.device)
+        out = objective(model, batch)
+        for k, v in out.metrics.items():
+            sums[k] = sums.get(k, 0.0) + v * len(units)
+        sums["n"] = sums.get("n", 0.0) + len(units)
+    keys = sorted(k for k in sums if k != "n")
+    totals = d.all_reduce_sum([sums.get(k, 0.0) for k in keys] + [sums.get("n", 0.0)])
+    return {f"val/{k.split('/', 1)[1]}": totals[i] / max(totals[-1], 1.0) for i, k in enumerate(keys)}
+
+
+def run(cfg: DPOConfig) -> dict:
+    d = init_distributed()
+    out = Path(cfg.output_dir or "dpo")
+    model, tok, upstream = build_policy(cfg, d)
+    train_rows = [r for _, r in preference_pairs(cfg.data.sources, "train")]
+    val_pairs = [p for p, _ in preference_pairs(cfg.data.sources, "val")]
+    with stage_run(cfg, "dpo", d.is_main) as run_:
+        if cfg.pairs == "on_policy":
+            t0 = time.time()
+            budget = (cfg.max_steps or len(train_rows)) * cfg.data.micro_batch_size * cfg.optim.grad_accum_steps
+            pairs = on_policy_pairs(model, tok, train_rows[: max(budget // 2, 1)], cfg, d)
+            run_.log_metrics({"on_policy/pairs": len(pairs), "on_policy/seconds": time.time() - t0}, step=0)
+        else:
+            pairs = [PreferencePair(r["prompt_ids"], r["chosen_ids"], r["chosen_ids"], r["rejected_ids"],
+                                    r["rejected_ids"]) for r in train_rows]
+        if not pairs:
+            raise SystemExit("dpo: no preference pairs (on-policy sampling found none that differ)")
+
+        ref_train = ref_val = None
+        reference = None
+        if cfg.loss_type != "simpo":
+            if cfg.reference == "disable_adapter":
+                def reference(batch):
+                    with torch.no_grad(), disable_adapter(model):
+                        return pair_logps(model, batch)[0]
+            else:
+                ref_train = reference_logps(model, pairs, cfg, d, out / "reference")
+                ref_val = reference_logps(model, val_pairs, cfg, d, out / "reference") if val_pairs else None
+
+        def attach_ref(units: list[int], batch: dict) -> None:
+            if ref_train is not None:
+                batch["ref_logps"] = torch.cat([ref_train[units, 0], ref_train[units, 1]])
+
+        objective = dpo_objective(cfg.beta, cfg.loss_type, cfg.label_smoothing, cfg.simpo_gamma, cfg.sft_weight,
+                                  reference=reference)
+        train = DeviceLoader(pair_loader(pairs, cfg, d, epochs=cfg.epochs, extra=attach_ref), d.device)
+        steps = total_steps(cfg, len(train))
+        trainer = build_trainer(model, cfg, d, steps)
+        manager = CheckpointManager.from_config(out / "checkpoints", cfg.checkpoint, trainable_only=cfg.lora.enabled,
+                                                config=cfg.model_dump(mode="json"))
+
+        def validate() -> dict[str, float]:
+            return reward_accuracy(model, val_pairs, objective, cfg, d, ref_val) if val_pairs else {}
+
+        before = validate()
+        run_.log_metrics({f"{k}_initial": v for k, v in before.items()}, step=0)
+        with progress(steps, "dpo", d.is_main) as advance:
+            last = fit(trainer, train, objective, max_steps=steps, grad_accum=cfg.optim.grad_accum_steps,
+                       manager=manager, resume=cfg.checkpoint.resume, log_every=cfg.tracking.log_every,
+                       on_metrics=run_.log_metrics, evaluate=validate, eval_every=cfg.eval_interval,
+                       advance=lambda n, **kw: advance(n, **kw))
+        manager.close()
+        metrics = {"train/loss": last.get("loss"), "steps": trainer.step, "train_pairs": len(pairs),
+                   **{k: v for k, v in last.items() if k.startswith("val/")},
+                   **{f"{k}_initial": v for k, v in before.items()}}
+        metrics = {k: v for k, v in metrics.items() if v is not None}
+        outputs = export(model, tok, cfg, out, d)
+        manifest = None
+        if d.is_main:
+            manifest = write_manifest(out, "dpo", outputs, metrics=metrics, config=cfg.model_dump(mode="json"),
+                                      inputs={"model": (upstream or {}).get("digest", cfg.model.name_or_path)},
+                                      extra={"mlflow_run_id": run_.run_id})
+            run_.log_metrics(metrics, step=trainer.step)
+            run_.log_artifact(str(out / "manifest.json"))
+        clear_checkpoints(out, d)
+    close_distributed()
+    return manifest or {}
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse_spec(DPOConfig, argv))
+
+
+if __name__ == "__main__":
+    main()
