@@ -24,12 +24,16 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(PY) -m flows.cli demo
 
+# The Triton kernels run under the interpreter on CPU, which must be chosen before triton is
+# imported: they get their own pytest process.
 test: setup
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --ignore=tests/kernels $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra tests/kernels $(PYTEST_ARGS)
 
 # Everything but the slow end-to-end and multi-process tests.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/kernels $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" tests/kernels $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m flows.cli bench all
