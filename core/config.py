@@ -453,6 +453,8 @@ class PipelineConfig(_Base):
     launcher: LauncherConfig = Field(LauncherConfig(), description="Launcher, unless a stage sets its own.")
     registry: RegistryConfig = Field(RegistryConfig(), description="Model registry and promotion.")
     schedule: str | None = Field("0 3 * * 1", description="Deployment cron (Mon 03:00); None = manual.")
+    stage_retries: int = Field(2, ge=0, description="Retries of a failed stage (it resumes from its checkpoint).")
+    retry_delay_s: float = Field(10.0, ge=0, description="First retry delay; each next one is 3x longer.")
 
     @field_validator("workspace")
     @classmethod

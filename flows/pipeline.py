@@ -71,7 +71,7 @@ def _prepare_dir(out: Path, key: str) -> bool:
     return False
 
 
-@task(retries=2, retry_delay_seconds=[10, 30], cache_policy=NO_CACHE, log_prints=True)
+@task(cache_policy=NO_CACHE, log_prints=True)
 def run_stage(cfg: PipelineConfig, name: str, upstream: dict[str, str], parent_run_id: str | None) -> StageResult:
     """Launch stage `name` unless its cached result is current; returns its manifest summary."""
     from stages.launch import launch_stage
@@ -126,12 +126,14 @@ def post_training(config: PipelineConfig) -> PipelineResult:
     parent_id = getattr(parent, "run_id", None)
     futures: dict[str, Any] = {}
     results: dict[str, StageResult] = {}
+    delays = [cfg.retry_delay_s * 3**i for i in range(cfg.stage_retries)]
+    stage_task = run_stage.with_options(retries=cfg.stage_retries, retry_delay_seconds=delays or 0)
     try:
         for name in cfg.enabled_stages():
             deps = stage_inputs(cfg, name)
             # Submit as soon as the inputs are known; independent stages (the two SFTs) overlap.
             upstream = {d: futures[d].result().digest for d in deps if d in futures}
-            futures[name] = run_stage.submit(cfg, name, upstream, parent_id)
+            futures[name] = stage_task.submit(cfg, name, upstream, parent_id)
         for name, fut in futures.items():
             results[name] = fut.result()
             parent.log_metrics({f"{name}/{k}": v for k, v in results[name].metrics.items()

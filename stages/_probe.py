@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.all_reduce(total)
     # Which node (torchrun agent) each rank ran under: one slot per rank, summed over ranks.
     groups = torch.zeros(world, dtype=torch.int64)
-    groups[rank] = int(os.environ.get("GROUP_RANK", 0))
+    groups[rank] = int(os.environ.get("GROUP_RANK", "0"))
     dist.all_reduce(groups)
     _write_json(out / "pids" / f"rank{rank}.pid", {"pid": os.getpid(), "ppid": os.getppid()})
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         _write_json(out / "manifest.json", {
             "stage": "_probe", "world_size": world, "sum": int(total.item()),
             "group_ranks": groups.tolist(),
-            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "env": env})
         print(f"probe: world_size={world} sum={int(total.item())}", flush=True)
     dist.destroy_process_group()

@@ -163,7 +163,7 @@ def run(cfg: DistillConfig) -> dict:
     timed = TimedTeacher(teacher)
     train_docs = sft_documents(cfg.data.sources, "train", tok, cfg.data)
     val_docs = sft_documents(cfg.data.sources, "val", tok, cfg.data)
-    base = doc_loader(train_docs, cfg, d, epochs=cfg.epochs)
+    base = doc_loader(train_docs, cfg.data, d, epochs=cfg.epochs)
     online = distill_objective(timed, cfg.kind, cfg.temperature, cfg.jsd_beta, cfg.ce_weight)
 
     with stage_run(cfg, "distill", d.is_main) as run_:
@@ -190,7 +190,7 @@ def run(cfg: DistillConfig) -> dict:
         def validate() -> dict[str, float]:
             if not val_docs:
                 return {}
-            val = DeviceLoader(doc_loader(val_docs, cfg, d, epochs=1), d.device)
+            val = DeviceLoader(doc_loader(val_docs, cfg.data, d, epochs=1, evaluation=True), d.device)
             return {"val/kl": mean_loss(student, val, online, d)}
 
         before = validate()

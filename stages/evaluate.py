@@ -64,19 +64,10 @@ def evaluate_model(model_path: str, cfg: EvalConfig, rows: list[dict[str, Any]],
     metrics = {"exact_match": correct / max(total, 1.0)}
     docs = sft_documents(cfg.data.sources, cfg.split, tok, cfg.data)[: cfg.max_examples or None]
     if docs:
-        from stages.training import doc_loader as _dl  # noqa: F401  (same packing as training)
-
-        loader = DeviceLoader(doc_loader(docs, _PackCfg(cfg), d, epochs=1), d.device)
+        loader = DeviceLoader(doc_loader(docs, cfg.data, d, epochs=1, evaluation=True), d.device)
         nll = mean_loss(model, loader, sft_objective, d)
         metrics.update(nll=nll, perplexity=math.exp(min(nll, 50.0)))
     return metrics, samples
-
-
-class _PackCfg:
-    """The slice of a training config doc_loader reads."""
-
-    def __init__(self, cfg: EvalConfig):
-        self.data = cfg.data
 
 
 def run(cfg: EvalConfig) -> dict:

@@ -31,10 +31,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from core.config import LauncherConfig, StageConfig, dump_config, to_json_file
 
@@ -562,7 +562,12 @@ class Launch:
         self._sink.close()
         return LaunchResult(returncode=rc, manifest=self._manifest() if rc == 0 else None,
                             log_file=self.log_file, wall_time_s=time.monotonic() - self._t0,
-                            job_id=self._runners[0].job_id)
+                            job_id=self.job_id)
+
+    @property
+    def job_id(self) -> str | None:
+        """Slurm job id or Kubernetes job name, once started."""
+        return self._runners[0].job_id if self._runners else None
 
     @property
     def pids(self) -> list[int]:

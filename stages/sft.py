@@ -28,7 +28,7 @@ def run(cfg: SFTConfig) -> dict:
     model, tok, upstream = build_policy(cfg, d)
     train_docs = sft_documents(cfg.data.sources, "train", tok, cfg.data)
     val_docs = sft_documents(cfg.data.sources, "val", tok, cfg.data)
-    train = DeviceLoader(doc_loader(train_docs, cfg, d, epochs=cfg.epochs), d.device)
+    train = DeviceLoader(doc_loader(train_docs, cfg.data, d, epochs=cfg.epochs), d.device)
     steps = total_steps(cfg, len(train))
     trainer = build_trainer(model, cfg, d, steps)
     manager = CheckpointManager.from_config(out / "checkpoints", cfg.checkpoint, trainable_only=cfg.lora.enabled,
@@ -37,7 +37,7 @@ def run(cfg: SFTConfig) -> dict:
     def validate() -> dict[str, float]:
         if not val_docs:
             return {}
-        val = DeviceLoader(doc_loader(val_docs, cfg, d, epochs=1), d.device)
+        val = DeviceLoader(doc_loader(val_docs, cfg.data, d, epochs=1, evaluation=True), d.device)
         return {"val/loss": mean_loss(model, val, sft_objective, d)}
 
     with stage_run(cfg, "sft", d.is_main) as run_:

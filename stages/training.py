@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from core.config import TrainStageConfig
+from core.config import DataConfig, TrainStageConfig
 from core.data.encode import Document, PreferencePair
 from core.data.packing import collate_padding_free, collate_preference
 from core.data.sampler import BatchSampler, StatefulLoader
@@ -55,10 +55,13 @@ def preference_pairs(sources: list[str], split: str) -> list[tuple[PreferencePai
     return out
 
 
-def doc_loader(docs: list[Document], cfg: TrainStageConfig, d: Dist, epochs: int | None) -> StatefulLoader:
-    data = cfg.data
+def doc_loader(docs: list[Document], data: DataConfig, d: Dist, epochs: int | None,
+               evaluation: bool = False) -> StatefulLoader:
+    """Padding-free micro-batches of up to batch_tokens. Training keeps ranks in lockstep
+    (drop_last); evaluation must see every document once, so it keeps the ragged tail."""
     sampler = BatchSampler([len(x) for x in docs], batch_tokens=data.batch_tokens or data.max_seq_len,
-                           rank=d.rank, world_size=d.world, seed=data.seed, num_epochs=epochs)
+                           rank=d.rank, world_size=d.world, seed=data.seed, num_epochs=epochs,
+                           shuffle=not evaluation, drop_last=not evaluation)
     return StatefulLoader(sampler, lambda units: collate_padding_free([docs[i] for i in units]))
 
 
