@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    # Nothing leaves this machine: no usage telemetry (its startup write also contends for the
+    # ephemeral server's SQLite lock and fills the log with "database is locked").
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args = build_parser().parse_args(argv)
     from core.config import ConfigError
 

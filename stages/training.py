@@ -17,6 +17,7 @@ from core.data.packing import collate_padding_free, collate_preference
 from core.data.sampler import BatchSampler, StatefulLoader
 from core.lora import apply_lora, merged_state_dict
 from core.trainer import Trainer
+from core.manifest import is_stage_dir
 from stages.common import Dist, StageError, data_files, load_model, load_tokenizer
 
 log = logging.getLogger("posttrain.training")
@@ -31,18 +32,22 @@ def read_parquet(files: list[Path]) -> list[dict[str, Any]]:
     return rows
 
 
+SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}
+
+
 def sft_documents(sources: list[str], split: str, tok, cfg) -> list[Document]:
-    """Tokenized SFT documents: data prep's pre-tokenized Parquet, or raw sources encoded here."""
+    """Tokenized SFT documents of `split`: data prep's pre-tokenized Parquet for a data-prep
+    stage dir; raw user sources are validated, tokenized and split here by content hash."""
     docs: list[Document] = []
     for src in sources:
-        files = data_files(src, "sft", split)
-        rows = read_parquet(files) if all(f.suffix == ".parquet" for f in files) else []
-        if rows and "input_ids" in rows[0]:
+        if is_stage_dir(src):
+            rows = read_parquet(data_files(src, "sft", split))
             docs.extend(Document(r["input_ids"][: cfg.max_seq_len], r["labels"][: cfg.max_seq_len]) for r in rows)
         else:
-            from core.data import load_documents
+            from core.data import load_data
 
-            docs.extend(load_documents([str(f) for f in files], tok, cfg))
+            data_files(src, "sft", split)  # a clear error for a missing path
+            docs.extend(load_data(cfg.model_copy(update={"sources": [src]}), tok)[SPLIT_NAMES[split]])
     return docs
 
 

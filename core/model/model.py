@@ -18,7 +18,8 @@ from torch import nn
 from core.model.args import ModelArgs
 from core.model.layers import MLP, RMSNorm
 from core.model.moe import MoE
-from core.model.rope import apply_rope, rope_cos_sin, rope_frequencies
+from core.model.rope import rope_cos_sin, rope_frequencies
+from kernels.rope import apply_rope
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, hd)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
         groups = q.shape[1] // k.shape[1]

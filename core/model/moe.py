@@ -12,6 +12,7 @@ from torch import nn
 
 from core.model.args import MoEArgs
 from core.model.layers import MLP
+from kernels.swiglu import swiglu
 
 
 class GroupedExperts(nn.Module):
@@ -29,7 +30,7 @@ class GroupedExperts(nn.Module):
         for e, rows in enumerate(torch.split(x, counts)):
             if rows.shape[0] == 0:
                 continue
-            h = F.silu(rows @ self.gate_proj[e].T) * (rows @ self.up_proj[e].T)
+            h = swiglu(rows @ self.gate_proj[e].T, rows @ self.up_proj[e].T)
             outs.append(h @ self.down_proj[e].T)
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 

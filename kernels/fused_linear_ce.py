@@ -1,0 +1,276 @@
+"""Fused linear + cross entropy: the loss of `hidden @ weight.T` without the (tokens, V) logits.
+
+Liger-Kernel's scheme (arXiv 2410.10989): tokens go through in chunks; per chunk torch's matmul
+makes the (chunk, V) logits, then one Triton program per row makes two passes over that row:
+
+    pass 1  online max / sum-exp (Milakov & Gimelshein 2018)  ->  lse, loss = lse - z_y
+    pass 2  dCE/dz = (softmax(z) - onehot(y)) * scale, written over the logits in place
+
+so the only vocab-sized buffer is one chunk of logits, reused as its own gradient. With a scalar
+upstream gradient (mean/sum) forward also does d/dhidden = g @ W and d/dweight += g^T h per chunk
+and backward only rescales them. With reduction="none" every token has its own upstream
+gradient, unknown in forward: forward keeps its inputs and backward recomputes each chunk's
+logits (one more matmul per chunk), the kernel scaling row t by grad_out[t].
+
+Layers: kernel -> launcher (`ce_rows_`) -> chunk loops (`_forward`, `_backward`) ->
+`FusedLinearCrossEntropyFunction` (hand-written backward) -> `posttrain::fused_linear_ce` custom
+op (reuses the Function's setup_context/backward) -> `fused_linear_cross_entropy` (dispatch).
+Reference: `core.losses.chunked_cross_entropy` (same signature and semantics).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from core.losses import REDUCTIONS, chunked_cross_entropy
+from kernels import _utils
+from kernels.dispatch import use_triton
+
+LAUNCHES = _utils.counter()  # kernel name -> launches: tests prove the Triton path ran
+# Largest vocab block one program loads at a time. Module-level so tests can shrink it and make
+# the online logsumexp run over several blocks on a tiny vocab.
+MAX_BLOCK = 16384
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no tanh that also runs in the interpreter; exp form saturates cleanly to +-1.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _ce_rows_kernel(
+    logits_ptr, logits_stride, target_ptr, loss_ptr, scale_ptr, scale_stride,
+    n_cols, ignore_index, softcap,
+    BLOCK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    logits_ptr += row * logits_stride
+    target = tl.load(target_ptr + row)
+    cols = tl.arange(0, BLOCK)
+
+    if target == ignore_index:  # no loss, zero gradient
+        if WRITE_GRAD:
+            for off in range(0, n_cols, BLOCK):
+                tl.store(logits_ptr + off + cols, tl.zeros([BLOCK], tl.float32), mask=off + cols < n_cols)
+        tl.store(loss_ptr + row, 0.0)
+        return
+
+    # pass 1: running max m and sum of exp(z - m), rescaled whenever m grows
+    m = float("-inf")
+    d = 0.0
+    for off in range(0, n_cols, BLOCK):
+        mask = off + cols < n_cols
+        z = tl.load(logits_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z = softcap * _tanh(z / softcap)
+        z = tl.where(mask, z, float("-inf"))  # after the softcap: tanh(-inf) would be finite
+        m_new = tl.maximum(m, tl.max(z, 0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m = m_new
+    lse = m + tl.log(d)
+    z_y = tl.load(logits_ptr + target).to(tl.float32)  # read before pass 2 overwrites it
+    if HAS_SOFTCAP:
+        z_y = softcap * _tanh(z_y / softcap)
+    tl.store(loss_ptr + row, lse - z_y)
+
+    # pass 2: gradient w.r.t. the pre-softcap logits, over the logits buffer
+    if WRITE_GRAD:
+        scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+        for off in range(0, n_cols, BLOCK):
+            mask = off + cols < n_cols
+            z = tl.load(logits_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                t = _tanh(z / softcap)
+                z = softcap * t
+            g = tl.exp(z - lse) - tl.where(off + cols == target, 1.0, 0.0)
+            if HAS_SOFTCAP:
+                g = g * (1.0 - t * t)  # d(c tanh(z / c))/dz
+            tl.store(logits_ptr + off + cols, (g * scale).to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def ce_rows_(logits: Tensor, target: Tensor, loss: Tensor, scale: Tensor, ignore_index: int,
+             softcap: float | None, write_grad: bool) -> None:
+    """Per row of `logits` (rows, V): loss[r] = CE and, if write_grad, logits[r] <- scale * dCE/dz.
+
+    `scale` is (1,) (one factor for all rows) or (rows,) (per-row upstream gradients), fp32.
+    Targets must lie in [0, V) or equal ignore_index; the kernel does not bounds-check them
+    (that would cost a device->host sync per chunk).
+    """
+    rows, n_cols = logits.shape
+    assert logits.stride(1) == 1 and scale.numel() in (1, rows)
+    block = min(MAX_BLOCK, triton.next_power_of_2(n_cols))
+    _ce_rows_kernel[(rows,)](
+        logits, logits.stride(0), target, loss, scale, 0 if scale.numel() == 1 else scale.stride(0),
+        n_cols, ignore_index, 1.0 if softcap is None else float(softcap),
+        BLOCK=block, HAS_SOFTCAP=softcap is not None, WRITE_GRAD=write_grad,
+        num_warps=_utils.num_warps(block),
+    )
+    LAUNCHES["ce_rows"] += 1
+
+
+def default_chunk_size(n_tokens: int, vocab: int, hidden: int) -> int:
+    """Liger's choice: chunk * V ~ tokens * H, so the logits chunk costs about one hidden state.
+    At least 64 tokens: smaller chunks only add launches (64 * V stays below the (V, H) weight
+    gradient for any H >= 64)."""
+    return max(64, triton.next_power_of_2(triton.cdiv(max(n_tokens, 1), triton.cdiv(vocab, hidden))))
+
+
+def accumulate_linear_grads(g: Tensor, h: Tensor, weight: Tensor, grad_h: Tensor | None, grad_w: Tensor | None) -> None:
+    """grad_h[chunk] = g @ W (written into the view), grad_w += g^T h (fp32 accumulator)."""
+    if grad_h is not None:
+        torch.mm(g, weight, out=grad_h)
+    if grad_w is not None:
+        if grad_w.dtype == g.dtype:
+            grad_w.addmm_(g.T, h)
+        else:  # low-precision chunk product, summed across chunks in fp32
+            grad_w.add_(g.T @ h)
+
+
+def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, chunk_size: int,
+             reduction: str, softcap: float | None, need_h: bool, need_w: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, grad_hidden, grad_weight); the grads are 0-element tensors when not computed."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    eager = reduction != "none" and (need_h or need_w)
+    losses = hidden.new_empty(n, dtype=torch.float32)
+    keep = (target != ignore_index).sum()
+    # mean's 1/n goes into the gradient now; as a tensor, so no host sync for the count
+    scale = (1.0 / keep.clamp(min=1).float() if reduction == "mean" else torch.ones((), device=hidden.device))
+    scale = scale.reshape(1)
+    grad_h = torch.empty_like(hidden) if eager and need_h else hidden.new_empty(0)
+    grad_w = weight.new_zeros(weight.shape, dtype=torch.float32) if eager and need_w else None
+    for s in range(0, n, chunk_size):
+        h = hidden[s:s + chunk_size]
+        logits = h @ weight.T  # (c, V) in the input dtype: the one vocab-sized buffer
+        ce_rows_(logits, target[s:s + chunk_size], losses[s:s + chunk_size], scale, ignore_index, softcap, eager)
+        if eager:
+            accumulate_linear_grads(logits, h, weight, grad_h[s:s + chunk_size] if need_h else None, grad_w)
+    # cast now: keeping a (V, H) fp32 buffer alive until backward costs more than it buys
+    grad_w = grad_w.to(weight.dtype) if grad_w is not None else weight.new_empty(0)
+    if reduction == "none":
+        return losses, grad_h, grad_w
+    total = losses.sum()
+    return (total * scale[0] if reduction == "mean" else total), grad_h, grad_w
+
+
+def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
+              chunk_size: int, softcap: float | None, need_h: bool, need_w: bool) -> tuple[Tensor, Tensor]:
+    """reduction="none": recompute each chunk's logits, gradient row t scaled by grad_loss[t]."""
+    n = hidden.shape[0]
+    grad_loss = grad_loss.float().contiguous()
+    losses = hidden.new_empty(n, dtype=torch.float32)  # recomputed, unused
+    grad_h = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
+    grad_w = weight.new_zeros(weight.shape, dtype=torch.float32) if need_w else None
+    for s in range(0, n, chunk_size):
+        h = hidden[s:s + chunk_size]
+        logits = h @ weight.T
+        ce_rows_(logits, target[s:s + chunk_size], losses[s:s + chunk_size], grad_loss[s:s + chunk_size],
+                 ignore_index, softcap, True)
+        accumulate_linear_grads(logits, h, weight, grad_h[s:s + chunk_size] if need_h else None, grad_w)
+    return grad_h, grad_w.to(weight.dtype) if grad_w is not None else weight.new_empty(0)
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Inputs: hidden (N, H), weight (V, H), target (N,) (already shifted), then the non-tensor
+    options. Outputs (loss, grad_hidden, grad_weight): the grads ride along as outputs so that the
+    custom op stays functional (torch.compile traces no hidden state); only loss is used."""
+
+    @staticmethod
+    def forward(hidden, weight, target, ignore_index, chunk_size, reduction, softcap, need_h, need_w):
+        return _forward(hidden, weight, target, ignore_index, chunk_size, reduction, softcap, need_h, need_w)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        hidden, weight, target, ignore_index, chunk_size, reduction, softcap, need_h, need_w = inputs
+        ctx.opts = (ignore_index, chunk_size, softcap, need_h, need_w)
+        ctx.reduction = reduction
+        if reduction == "none":
+            ctx.save_for_backward(hidden, weight, target)  # saved by reference: no copies
+        else:
+            ctx.save_for_backward(output[1], output[2])
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_gh, _grad_gw):
+        ignore_index, chunk_size, softcap, need_h, need_w = ctx.opts
+        if ctx.reduction == "none":
+            hidden, weight, target = ctx.saved_tensors
+            gh, gw = torch.ops.posttrain.fused_linear_ce_backward(
+                grad_loss, hidden, weight, target, ignore_index, chunk_size, softcap, need_h, need_w)
+        else:
+            gh, gw = ctx.saved_tensors
+            gh = gh * grad_loss.to(gh.dtype) if need_h else None
+            gw = gw * grad_loss.to(gw.dtype) if need_w else None
+        return (gh if need_h else None), (gw if need_w else None), None, None, None, None, None, None, None
+
+
+@torch.library.custom_op("posttrain::fused_linear_ce", mutates_args=())
+def _fused_linear_ce_op(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, chunk_size: int,
+                        reduction: str, softcap: Optional[float], need_h: bool,
+                        need_w: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _forward(hidden, weight, target, ignore_index, chunk_size, reduction, softcap, need_h, need_w)
+
+
+@_fused_linear_ce_op.register_fake
+def _(hidden, weight, target, ignore_index, chunk_size, reduction, softcap, need_h, need_w):
+    eager = reduction != "none" and (need_h or need_w)
+    loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=torch.float32)
+    grad_h = torch.empty_like(hidden) if eager and need_h else hidden.new_empty(0)
+    grad_w = torch.empty_like(weight) if eager and need_w else weight.new_empty(0)
+    return loss, grad_h, grad_w
+
+
+@torch.library.custom_op("posttrain::fused_linear_ce_backward", mutates_args=())
+def _fused_linear_ce_backward_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
+                                 ignore_index: int, chunk_size: int, softcap: Optional[float], need_h: bool,
+                                 need_w: bool) -> tuple[Tensor, Tensor]:
+    return _backward(grad_loss, hidden, weight, target, ignore_index, chunk_size, softcap, need_h, need_w)
+
+
+@_fused_linear_ce_backward_op.register_fake
+def _(grad_loss, hidden, weight, target, ignore_index, chunk_size, softcap, need_h, need_w):
+    return (torch.empty_like(hidden) if need_h else hidden.new_empty(0),
+            torch.empty_like(weight) if need_w else weight.new_empty(0))
+
+
+torch.library.register_autograd("posttrain::fused_linear_ce", FusedLinearCrossEntropyFunction.backward,
+                                setup_context=FusedLinearCrossEntropyFunction.setup_context)
+
+
+def shift_labels(labels: Tensor, ignore_index: int) -> Tensor:
+    """Target at t is labels[t + 1]; the last position has none (core.losses' convention)."""
+    return torch.cat([labels[..., 1:], labels.new_full((*labels.shape[:-1], 1), ignore_index)], dim=-1)
+
+
+def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
+                               reduction: str = "mean", shift: bool = True, chunk_size: int | None = None,
+                               softcap: float | None = None) -> Tensor:
+    """Cross entropy of `hidden @ weight.T` against `labels`, never holding more than one chunk of
+    logits: same semantics as `core.losses.chunked_cross_entropy`.
+
+    hidden (N..., H), weight (V, H), labels (N...) int. shift=True scores labels[t + 1] at t.
+    reduction: mean over scored tokens (0 when none), sum, or none ((N...) with 0 at ignored).
+    The loss is fp32 (the Triton path computes in fp32; fp64 inputs take the reference, which
+    keeps fp64). chunk_size defaults to Liger's rule (chunk * V ~ tokens * H).
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
+    if hidden.shape[:-1] != labels.shape or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"shapes do not match: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
+                         f"labels {tuple(labels.shape)}; expected (N..., H), (V, H), (N...)")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    h2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    chunk = chunk_size or default_chunk_size(h2.shape[0], weight.shape[0], weight.shape[1])
+    if not (use_triton(hidden, weight, labels) and _utils.supported(hidden, weight)):
+        return chunked_cross_entropy(hidden, weight, labels, ignore_index, chunk, reduction, shift, softcap)
+    target = shift_labels(labels, ignore_index) if shift else labels
+    grad = torch.is_grad_enabled()
+    loss, _, _ = torch.ops.posttrain.fused_linear_ce(
+        h2, weight.contiguous(), target.reshape(-1).long().contiguous(), ignore_index, chunk, reduction, softcap,
+        grad and hidden.requires_grad, grad and weight.requires_grad)
+    return loss.view(labels.shape) if reduction == "none" else loss

@@ -1,0 +1,337 @@
+"""LoRA linear (Hu et al. 2021, arXiv 2106.09685) with the low-rank path fused into the base matmul.
+
+    y = x W^T + b + s * (x A^T) B^T        W (out, in) frozen, A (r, in), B (out, r)
+
+One kernel computes a (BM, BN) tile of y: its K loop accumulates x W^T and, from the same x
+tile, x A^T (BM, r); the epilogue adds s * (x A^T) B^T and the bias. x is read once for both
+paths and the (N, out) LoRA product never exists in memory. x A^T is recomputed by each column
+tile (r/BN extra flops, a few percent) instead of being a separate launch and round trip; the
+column-0 tiles store it for backward (dB needs it).
+
+Backward has the same shape with W, A, B transposed, so the same kernel serves it:
+    dx = dy W + s * (dy B) A          (stores dy B for dA)
+    dA = s * (dy B)^T x,   dB = s * dy^T (x A^T)     (a token-reduction kernel)
+W and b are frozen: no gradient (a trainable base takes the reference path).
+
+Multi-adapter (several LoRAs trained in one batch): A (n, r, in), B (n, out, r), scales (n,) and
+adapter_ids (N,) route each row to its adapter; ids outside [0, n) (e.g. -1) get none. A tile's
+rows may belong to several adapters: each adapter present in the tile contributes a masked dot
+(rows of one sequence share an adapter, so a tile rarely holds more than two), and absent ones
+are skipped. Adapters of different ranks are zero-padded to one r by the caller.
+
+Layers: kernels -> `lora_fwd` / `lora_bwd` launchers -> LoRALinearFunction /
+LoRALinearMultiFunction -> `posttrain::lora_linear[_multi]` custom ops -> `lora_linear`,
+`lora_linear_multi` (dispatch). References: `lora_linear_reference`, `lora_linear_multi_reference`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels import _utils
+from kernels.dispatch import use_triton
+
+LAUNCHES = _utils.counter()
+# Tile caps; module-level so tests can shrink them and cover several tiles on tiny shapes.
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+
+
+@triton.jit
+def _lora_mm_kernel(
+    X, W, P, Q, BIAS, SCALES, IDS, C, XP,
+    M, N, K, R, n_adapters, scale,
+    sxm, sxk, swk, swn, spa, spk, spr, sqa, sqr, sqn, scm, scn, sxpm,
+    HAS_BIAS: tl.constexpr, HAS_IDS: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+):
+    """C = X W + bias + scale[id] * (X P[id]) Q[id] per row; X (M, K), W (K, N), P (n, K, R),
+    Q (n, R, N), all by strides. XP (M, R) receives X P[id]."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rr = tl.arange(0, BR)
+    m_mask, n_mask, r_mask = rm < M, rn < N, rr < R
+    if HAS_IDS:
+        ids = tl.load(IDS + rm, mask=m_mask, other=-1)
+    else:
+        ids = tl.zeros([BM], dtype=tl.int32)
+    rm64 = rm.to(tl.int64)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    xp = tl.zeros([BM, BR], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        k_mask = rk < K
+        x = tl.load(X + rm64[:, None] * sxm + rk[None, :] * sxk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(W + rk[:, None] * swk + rn[None, :] * swn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
+        for a in range(0, n_adapters):
+            sel = ids == a
+            if tl.max(sel.to(tl.int32), axis=0) > 0:  # adapter a has rows in this tile
+                p = tl.load(P + a * spa + rk[:, None] * spk + rr[None, :] * spr,
+                            mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+                part = tl.dot(x, p.to(x.dtype), input_precision=PRECISION)
+                xp += tl.where(sel[:, None], part, 0.0)
+    # Rounded to the input dtype like F.linear(x, A) would be, then a 16-bit MMA with B.
+    xp_lo = xp.to(X.dtype.element_ty)
+    if pid_n == 0:  # every column tile has the same xp; one stores it
+        tl.store(XP + rm64[:, None] * sxpm + rr[None, :], xp_lo, mask=m_mask[:, None] & r_mask[None, :])
+    for a in range(0, n_adapters):
+        sel = ids == a
+        if tl.max(sel.to(tl.int32), axis=0) > 0:
+            if HAS_IDS:
+                s = tl.load(SCALES + a)
+            else:
+                s = scale
+            q = tl.load(Q + a * sqa + rr[:, None] * sqr + rn[None, :] * sqn, mask=r_mask[:, None] & n_mask[None, :],
+                        other=0.0)
+            part = tl.dot(xp_lo, q.to(xp_lo.dtype), input_precision=PRECISION)
+            acc += tl.where(sel[:, None], part * s, 0.0)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(C + rm64[:, None] * scm + rn[None, :] * scn, acc.to(C.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _lora_grad_kernel(
+    L, RT, IDS, SCALES, OUT, M, P, Q, scale, slm, slp, srm, srq, soa, sop, soq,
+    HAS_IDS: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
+):
+    """OUT[a] (P, Q) = scale[a] * sum over rows m routed to a of L[m]^T RT[m]; L (M, P), RT (M, Q)."""
+    pid_p, pid_q, a = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rp = pid_p * BP + tl.arange(0, BP)
+    rq = pid_q * BQ + tl.arange(0, BQ)
+    p_mask, q_mask = rp < P, rq < Q
+    acc = tl.zeros([BP, BQ], dtype=tl.float32)
+    for m0 in range(0, M, BM):
+        rm = m0 + tl.arange(0, BM)
+        if HAS_IDS:
+            sel = tl.load(IDS + rm, mask=rm < M, other=-1) == a
+        else:
+            sel = rm < M
+        if tl.max(sel.to(tl.int32), axis=0) > 0:  # skip token blocks without this adapter
+            rm64 = rm.to(tl.int64)
+            lt = tl.load(L + rm64[:, None] * slm + rp[None, :] * slp, mask=sel[:, None] & p_mask[None, :], other=0.0)
+            rt = tl.load(RT + rm64[:, None] * srm + rq[None, :] * srq, mask=sel[:, None] & q_mask[None, :], other=0.0)
+            acc = tl.dot(tl.trans(lt), rt.to(lt.dtype), acc, input_precision=PRECISION)
+    if HAS_IDS:
+        s = tl.load(SCALES + a)
+    else:
+        s = scale
+    tl.store(OUT + a * soa + rp[:, None] * sop + rq[None, :] * soq, (acc * s).to(OUT.dtype.element_ty),
+             mask=p_mask[:, None] & q_mask[None, :])
+
+
+def _mm(x, w, w_strides, p, p_strides, q, q_strides, rank, bias, scale, scales, ids, out, xp):
+    """Launch _lora_mm_kernel: out = x @ w + bias + scale * (x @ p) @ q, xp = x @ p."""
+    (m, k), n = x.shape, out.shape[1]
+    bm, bn, bk = _utils.dot_block(m, BLOCK_M), _utils.dot_block(n, BLOCK_N), _utils.dot_block(k, BLOCK_K)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _lora_mm_kernel[grid](
+        x, w, p, q, bias if bias is not None else x, scales if scales is not None else x,
+        ids if ids is not None else x, out, xp,
+        m, n, k, rank, p.shape[0], scale,
+        x.stride(0), x.stride(1), *w_strides, *p_strides, *q_strides, out.stride(0), out.stride(1), xp.stride(0),
+        HAS_BIAS=bias is not None, HAS_IDS=ids is not None,
+        PRECISION=_utils.dot_precision(x.dtype), BM=bm, BN=bn, BK=bk, BR=_utils.dot_block(rank, 1 << 30),
+        num_warps=4 if bm * bn <= 4096 else 8,
+    )
+
+
+def _grad(left, right, ids, scale, scales, out):
+    """Launch _lora_grad_kernel: out[a] = scale[a] * left[rows of a]^T @ right[rows of a]."""
+    m, p, q = left.shape[0], out.shape[1], out.shape[2]
+    bp, bq, bm = _utils.dot_block(p, BLOCK_N), _utils.dot_block(q, BLOCK_N), _utils.dot_block(m, BLOCK_M)
+    _lora_grad_kernel[(triton.cdiv(p, bp), triton.cdiv(q, bq), out.shape[0])](
+        left, right, ids if ids is not None else left, scales if scales is not None else left, out,
+        m, p, q, scale, left.stride(0), left.stride(1), right.stride(0), right.stride(1), *out.stride(),
+        HAS_IDS=ids is not None, PRECISION=_utils.dot_precision(left.dtype), BM=bm, BP=bp, BQ=bq,
+    )
+
+
+def lora_fwd(x, weight, bias, lora_a, lora_b, scale, scales, ids) -> tuple[Tensor, Tensor]:
+    """x (N, in), weight (out, in), lora_a (n, r, in), lora_b (n, out, r) -> y (N, out), xa (N, r)."""
+    (m, _), (n_out, rank) = x.shape, lora_b.shape[1:]
+    y = x.new_empty(m, n_out)
+    xa = x.new_empty(m, rank)
+    _mm(x, weight, (weight.stride(1), weight.stride(0)),  # W^T (in, out)
+        lora_a, (lora_a.stride(0), lora_a.stride(2), lora_a.stride(1)),  # A^T (n, in, r)
+        lora_b, (lora_b.stride(0), lora_b.stride(2), lora_b.stride(1)),  # B^T (n, r, out)
+        rank, bias, scale, scales, ids, y, xa)
+    LAUNCHES["lora_fwd"] += 1
+    return y, xa
+
+
+def lora_bwd(dy, x, weight, lora_a, lora_b, xa, scale, scales, ids) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dx, dA, dB) of lora_fwd, given the saved x A^T."""
+    rank = lora_a.shape[1]
+    dy = _utils.as_rows(dy)
+    dx = torch.empty_like(x)
+    dyb = dy.new_empty(dy.shape[0], rank)
+    _mm(dy, weight, (weight.stride(0), weight.stride(1)),  # W (out, in)
+        lora_b, (lora_b.stride(0), lora_b.stride(1), lora_b.stride(2)),  # B (n, out, r)
+        lora_a, (lora_a.stride(0), lora_a.stride(1), lora_a.stride(2)),  # A (n, r, in)
+        rank, None, scale, scales, ids, dx, dyb)
+    da, db = torch.empty_like(lora_a), torch.empty_like(lora_b)
+    _grad(dyb, x, ids, scale, scales, da)  # dA[a] = s_a (dy B)^T x
+    _grad(dy, xa, ids, scale, scales, db)  # dB[a] = s_a dy^T (x A^T)
+    LAUNCHES["lora_bwd"] += 1
+    return dx, da, db
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    """One adapter: lora_a (r, in), lora_b (out, r), a float scale. Outputs (y, xa): x A^T
+    rides along as an output so the custom op stays functional; only y is used."""
+
+    @staticmethod
+    def forward(x, weight, bias, lora_a, lora_b, scale):
+        return lora_fwd(x, weight, bias, lora_a[None], lora_b[None], scale, None, None)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, _, lora_a, lora_b, scale = inputs
+        ctx.save_for_backward(x, weight, lora_a, lora_b, output[1])
+        ctx.scale = scale
+
+    @staticmethod
+    def backward(ctx, dy, _dxa):
+        x, weight, lora_a, lora_b, xa = ctx.saved_tensors
+        dx, da, db = torch.ops.posttrain.lora_linear_backward(dy, x, weight, lora_a, lora_b, xa, ctx.scale)
+        return dx, None, None, da, db, None
+
+
+class LoRALinearMultiFunction(torch.autograd.Function):
+    """Several adapters: lora_a (n, r, in), lora_b (n, out, r), scales (n,), adapter_ids (N,)."""
+
+    @staticmethod
+    def forward(x, weight, bias, lora_a, lora_b, scales, adapter_ids):
+        return lora_fwd(x, weight, bias, lora_a, lora_b, 1.0, scales, adapter_ids)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, _, lora_a, lora_b, scales, ids = inputs
+        ctx.save_for_backward(x, weight, lora_a, lora_b, output[1], scales, ids)
+
+    @staticmethod
+    def backward(ctx, dy, _dxa):
+        dx, da, db = torch.ops.posttrain.lora_linear_multi_backward(dy, *ctx.saved_tensors)
+        return dx, None, None, da, db, None, None
+
+
+@torch.library.custom_op("posttrain::lora_linear", mutates_args=())
+def _lora_linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor,
+                    scale: float) -> tuple[Tensor, Tensor]:
+    return LoRALinearFunction.forward(x, weight, bias, lora_a, lora_b, scale)
+
+
+@_lora_linear_op.register_fake
+def _(x, weight, bias, lora_a, lora_b, scale):
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], lora_a.shape[-2])
+
+
+@torch.library.custom_op("posttrain::lora_linear_backward", mutates_args=())
+def _lora_linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, xa: Tensor,
+                             scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    dx, da, db = lora_bwd(dy, x, weight, lora_a[None], lora_b[None], xa, scale, None, None)
+    return dx, da[0], db[0]
+
+
+@_lora_linear_backward_op.register_fake
+def _(dy, x, weight, lora_a, lora_b, xa, scale):
+    return torch.empty_like(x), torch.empty_like(lora_a), torch.empty_like(lora_b)
+
+
+@torch.library.custom_op("posttrain::lora_linear_multi", mutates_args=())
+def _lora_linear_multi_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor,
+                          scales: Tensor, adapter_ids: Tensor) -> tuple[Tensor, Tensor]:
+    return LoRALinearMultiFunction.forward(x, weight, bias, lora_a, lora_b, scales, adapter_ids)
+
+
+@_lora_linear_multi_op.register_fake
+def _(x, weight, bias, lora_a, lora_b, scales, adapter_ids):
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], lora_a.shape[-2])
+
+
+@torch.library.custom_op("posttrain::lora_linear_multi_backward", mutates_args=())
+def _lora_linear_multi_backward_op(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor,
+                                   xa: Tensor, scales: Tensor, adapter_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return lora_bwd(dy, x, weight, lora_a, lora_b, xa, 1.0, scales, adapter_ids)
+
+
+@_lora_linear_multi_backward_op.register_fake
+def _(dy, x, weight, lora_a, lora_b, xa, scales, adapter_ids):
+    return torch.empty_like(x), torch.empty_like(lora_a), torch.empty_like(lora_b)
+
+
+torch.library.register_autograd("posttrain::lora_linear", LoRALinearFunction.backward,
+                                setup_context=LoRALinearFunction.setup_context)
+torch.library.register_autograd("posttrain::lora_linear_multi", LoRALinearMultiFunction.backward,
+                                setup_context=LoRALinearMultiFunction.setup_context)
+
+
+def lora_linear_reference(x, weight, bias, lora_a, lora_b, scale):
+    """What core.lora.LoRALinear computes for one adapter without dropout."""
+    return F.linear(x, weight, bias) + scale * F.linear(F.linear(x, lora_a), lora_b)
+
+
+def lora_linear_multi_reference(x, weight, bias, lora_a, lora_b, scales, adapter_ids):
+    """Row i gets adapter adapter_ids[i]; ids outside [0, n) get none. One masked LoRA per
+    adapter (n small): static shapes, no gather of per-row (r, in) matrices."""
+    y = F.linear(x, weight, bias)
+    for a in range(lora_a.shape[0]):
+        rows = (adapter_ids == a).unsqueeze(-1)
+        lora = F.linear(F.linear(x, lora_a[a]), lora_b[a])
+        y = y + torch.where(rows, scales[a].to(lora.dtype) * lora, 0)
+    return y
+
+
+def _use_kernel(x, weight, bias, lora_a, lora_b) -> bool:
+    # A trainable base (W or b with requires_grad) needs dW, which the kernels do not compute.
+    frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
+    tensors = (x, weight, lora_a, lora_b) + ((bias,) if bias is not None else ())
+    return frozen and use_triton(*tensors) and _utils.supported(*tensors) and x.numel() > 0
+
+
+def _check(x, weight, bias, lora_a, lora_b, n_dims):
+    n_out, n_in = weight.shape
+    rank = lora_a.shape[-2]
+    if (x.shape[-1] != n_in or lora_a.dim() != n_dims or lora_b.dim() != n_dims or lora_a.shape[-1] != n_in
+            or lora_b.shape[-2:] != (n_out, rank) or (bias is not None and bias.shape != (n_out,))):
+        raise ValueError(f"lora_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, lora_a "
+                         f"{tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)} do not fit (..., in), (out, in), "
+                         f"{'(n, ' if n_dims == 3 else '('}r, in), {'(n, ' if n_dims == 3 else '('}out, r)")
+
+
+def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
+                scale: float) -> Tensor:
+    """x W^T + b + scale * (x A^T) B^T. x (..., in), weight (out, in) frozen, bias (out,) or
+    None, lora_a (r, in), lora_b (out, r). Gradients flow to x, lora_a and lora_b."""
+    _check(x, weight, bias, lora_a, lora_b, 2)
+    if not _use_kernel(x, weight, bias, lora_a, lora_b):
+        return lora_linear_reference(x, weight, bias, lora_a, lora_b, scale)
+    y, _ = torch.ops.posttrain.lora_linear(_utils.as_rows(x), weight, bias, lora_a, lora_b, float(scale))
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
+                      scales: Tensor, adapter_ids: Tensor) -> Tensor:
+    """Per-row adapters: x (..., in), lora_a (n, r, in), lora_b (n, out, r), scales (n,),
+    adapter_ids (...) int, one per row of x; an id outside [0, n) (e.g. -1) means no adapter."""
+    _check(x, weight, bias, lora_a, lora_b, 3)
+    if adapter_ids.shape != x.shape[:-1] and adapter_ids.numel() != x.numel() // x.shape[-1]:
+        raise ValueError(f"adapter_ids {tuple(adapter_ids.shape)} must give one id per row of x {tuple(x.shape)}")
+    if scales.shape != (lora_a.shape[0],):
+        raise ValueError(f"scales {tuple(scales.shape)} must be ({lora_a.shape[0]},), one per adapter")
+    ids = adapter_ids.reshape(x.shape[:-1])
+    if not _use_kernel(x, weight, bias, lora_a, lora_b):
+        return lora_linear_multi_reference(x, weight, bias, lora_a, lora_b, scales, ids)
+    y, _ = torch.ops.posttrain.lora_linear_multi(
+        _utils.as_rows(x), weight, bias, lora_a, lora_b, scales.float().contiguous(),
+        ids.reshape(-1).to(torch.int32).contiguous())
+    return y.view(*x.shape[:-1], weight.shape[0])
