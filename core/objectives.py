@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from core.data.packing import sequence_sums
-from core.losses import IGNORE_INDEX, chunked_cross_entropy, chunked_distill_loss, dpo_loss
+from core.losses import IGNORE_INDEX, dpo_loss
 from core.trainer import LossOutput
+from kernels.fused_linear_ce import fused_linear_cross_entropy
+from kernels.fused_linear_kl import fused_linear_distill, fused_linear_logps
 
 CHUNK = 1024  # tokens per logits chunk: bounds the head's memory at CHUNK x vocab
 
@@ -27,15 +29,14 @@ def _forward(model: nn.Module, batch: dict[str, Any], head: Callable) -> Any:
 def token_logps(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
     """log p(label_{t+1} | ..t) at every position (0 where the label is ignored), (B, T)."""
     labels = batch["labels"]
-    return -_forward(model, batch, lambda h, w: chunked_cross_entropy(h, w, labels, reduction="none",
-                                                                      chunk_size=CHUNK))
+    return _forward(model, batch, lambda h, w: fused_linear_logps(h, w, labels, chunk_size=CHUNK))
 
 
 def sft_objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
     """Next-token cross entropy on the response tokens."""
     labels = batch["labels"]
-    loss = _forward(model, batch, lambda h, w: chunked_cross_entropy(h, w, labels, reduction="sum",
-                                                                     chunk_size=CHUNK))
+    loss = _forward(model, batch, lambda h, w: fused_linear_cross_entropy(h, w, labels, reduction="sum",
+                                                                          chunk_size=CHUNK))
     return LossOutput(loss, batch["num_target_tokens"])
 
 
@@ -91,11 +92,12 @@ def distill_objective(teacher: nn.Module, kind: str = "forward_kl", temperature:
             t_hidden, t_weight = _forward(teacher, batch, lambda h, w: (h, w))
 
         def head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            loss = chunked_distill_loss(h, w, t_hidden.to(h.dtype), t_weight.to(w.dtype), kind=kind,
-                                        temperature=temperature, beta=beta, mask=mask, reduction="sum",
-                                        chunk_size=CHUNK)
+            # the fused op returns the mean over masked positions; the trainer wants the sum
+            loss = fused_linear_distill(h, w, t_hidden.to(h.dtype), t_weight.to(w.dtype), mask, kind=kind,
+                                        temperature=temperature, beta=beta, chunk_size=CHUNK) * mask.sum()
             if ce_weight:
-                loss = loss + ce_weight * chunked_cross_entropy(h, w, labels, reduction="sum", chunk_size=CHUNK)
+                loss = loss + ce_weight * fused_linear_cross_entropy(h, w, labels, reduction="sum",
+                                                                     chunk_size=CHUNK)
             return loss
 
         return LossOutput(_forward(model, batch, head), batch["num_target_tokens"])

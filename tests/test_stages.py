@@ -1,0 +1,128 @@
+"""Stages on the tiny default: the distillation and DPO modes in-process, and under torchrun with
+2 processes a stage that is killed and restarted resumes, and a malformed input file fails naming
+the file and line."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from core.config import (DataPrepConfig, DistillConfig, DPOConfig, LauncherConfig, SFTConfig, TrackingConfig)
+
+OFF = TrackingConfig(enabled=False)
+DATA = {"batch_tokens": 512, "max_seq_len": 128}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """Data prep, then a short SFT of a student and of a (wider) teacher."""
+    from stages.data_prep import prepare
+    from stages.sft import run as sft
+
+    root = tmp_path_factory.mktemp("stages")
+    prepare(DataPrepConfig(output_dir=str(root / "data"), synthetic_size=240, tracking=OFF))
+    common = dict(data={**DATA, "sources": [str(root / "data")]}, tracking=OFF, max_steps=8, eval_interval=4,
+                  optim={"lr": 3e-3, "warmup_steps": 1})
+    student = sft(SFTConfig(output_dir=str(root / "student"), **common))
+    teacher = sft(SFTConfig(output_dir=str(root / "teacher"), model={
+        "name_or_path": "debug", "overrides": {"hidden_size": 96, "intermediate_size": 256}}, **common))
+    assert student["metrics"]["val/loss"] < student["metrics"]["val/loss_initial"]
+    assert teacher["metrics"]["val/loss"] < teacher["metrics"]["val/loss_initial"]
+    return root
+
+
+def distill_cfg(root: Path, out: str, **kw) -> DistillConfig:
+    return DistillConfig(output_dir=str(root / out), model={"name_or_path": str(root / "student")},
+                         teacher={"name_or_path": str(root / "teacher")},
+                         data={**DATA, "sources": [str(root / "data")]}, tracking=OFF, max_steps=6,
+                         eval_interval=3, optim={"lr": 2e-3, "warmup_steps": 1}, **kw)
+
+
+@pytest.mark.parametrize("mode", ["online", "on_policy"])
+def test_distillation_lowers_student_kl(prepared, mode):
+    from stages.distill import run
+
+    m = run(distill_cfg(prepared, f"distill-{mode}", mode=mode, on_policy_ratio=0.5, max_new_tokens=8))["metrics"]
+    assert m["val/kl"] < m["val/kl_initial"]
+    assert 0 < m["time/teacher_frac"] < 1
+    if mode == "on_policy":
+        assert m["on_policy/samples"] > 0
+
+
+def test_offline_distillation_caches_teacher_topk(prepared):
+    from stages.distill import run
+
+    cfg = distill_cfg(prepared, "distill-offline", mode="offline", top_k=16)
+    first = run(cfg)["metrics"]
+    cache = list((prepared / "distill-offline" / "teacher_cache").glob("teacher_top16-*.safetensors"))
+    assert len(cache) == 1
+    stamp = cache[0].stat().st_mtime_ns
+    second = run(cfg)["metrics"]
+    assert cache[0].stat().st_mtime_ns == stamp  # reused, not recomputed
+    assert first["val/kl"] < first["val/kl_initial"] and second["val/kl"] == pytest.approx(first["val/kl"])
+
+
+@pytest.mark.parametrize("pairs,reference", [("offline", "disable_adapter"), ("on_policy", "precomputed")])
+def test_dpo_raises_implicit_reward_accuracy(prepared, pairs, reference):
+    from stages.dpo import run
+
+    cfg = DPOConfig(output_dir=str(prepared / f"dpo-{pairs}"), model={"name_or_path": str(prepared / "student")},
+                    data={"sources": [str(prepared / "data")], "micro_batch_size": 8}, tracking=OFF, max_steps=8,
+                    eval_interval=4, pairs=pairs, reference=reference, num_samples=4, max_new_tokens=8,
+                    optim={"lr": 5e-3, "warmup_steps": 1})
+    m = run(cfg)["metrics"]
+    assert m["val/accuracy"] > m["val/accuracy_initial"]
+    assert m["val/margin"] > m["val/margin_initial"]
+    out = prepared / f"dpo-{pairs}"
+    assert (out / "adapter" / "adapter_config.json").exists() and (out / "model" / "config.json").exists()
+    if reference == "precomputed":
+        assert list((out / "reference").glob("ref_logps-*.safetensors"))
+
+
+def _launch_sft(prepared: Path, out: Path, **kw):
+    from stages.launch import Launch
+
+    spec = SFTConfig(output_dir=str(out), data={**DATA, "sources": [str(prepared / "data")]}, tracking=OFF,
+                     launcher=LauncherConfig(nproc_per_node=2), optim={"lr": 1e-3, "warmup_steps": 1}, **kw)
+    return Launch("sft", spec, spec.launcher, workdir=out.parent / f".launch-{out.name}")
+
+
+@pytest.mark.slow
+def test_killed_stage_resumes_from_its_checkpoint(prepared):
+    out = prepared / "sft-resume"
+    job = _launch_sft(prepared, out, max_steps=40, epochs=50, eval_interval=0,
+                      checkpoint={"interval_steps": 2, "keep_last": 2}).start()
+    deadline = time.time() + 300
+    while not list((out / "checkpoints").glob("step-*")) and time.time() < deadline:
+        time.sleep(0.5)
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert saved, "no checkpoint was written before the deadline"
+    threading.Thread(target=job.cancel).start()
+    result = job.wait()
+    assert not result.ok and not (out / "manifest.json").exists()
+    again = _launch_sft(prepared, out, max_steps=40, epochs=50, eval_interval=0,
+                        checkpoint={"interval_steps": 2, "keep_last": 2}).start().wait()
+    assert again.ok, Path(again.log_file).read_text()[-3000:]
+    log = Path(again.log_file).read_text()
+    assert "resumed from step" in log
+    assert json.loads((out / "manifest.json").read_text())["metrics"]["steps"] == 40
+
+
+@pytest.mark.slow
+def test_malformed_input_fails_naming_file_and_line(prepared, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    good = {"messages": [{"role": "user", "content": "add 1 2"}, {"role": "assistant", "content": "3"}]}
+    bad.write_text(json.dumps(good) + "\n" + '{"messages": [{"role": "bot", "content": "x"}]}\n')
+    from stages.launch import Launch
+
+    spec = SFTConfig(output_dir=str(tmp_path / "out"), tracking=OFF, launcher=LauncherConfig(nproc_per_node=2),
+                     model={"name_or_path": "debug", "tokenizer": str(prepared / "data" / "tokenizer")},
+                     data={**DATA, "sources": [str(bad)]}, max_steps=2)
+    result = Launch("sft", spec, spec.launcher, workdir=tmp_path / ".launch").start().wait()
+    assert not result.ok
+    log = Path(result.log_file).read_text()
+    assert "bad.jsonl line 2" in log and "messages[0].role" in log
