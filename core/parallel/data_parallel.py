@@ -1,0 +1,101 @@
+"""Data parallelism, activation checkpointing and compilation: the last steps of `parallelize`.
+
+- DDP: torch's, in its composable form (`replicate`) so the model keeps its class and parameter
+  names (no `module.` prefix); gradients are averaged over dp_replicate.
+- FSDP2 (`fully_shard`, Zhao et al. 2023 / torchtitan): each transformer block is one unit, then
+  the root (embedding, final norm, lm_head: one unit, so tied embeddings stay one parameter).
+  Parameters are sharded over dp_shard x cp (cp ranks hold the same weights), gradients
+  reduce-scattered and averaged over the data ranks. HSDP shards within dp_shard_cp and
+  replicates across dp_replicate (2-D mesh). Expert weights, already split over ep, form their own
+  unit over the remaining dp_shard_mod_ep ranks (x dp_replicate); FSDP averages over those, and
+  the expert layer has already scaled its gradient by 1/ep (the all-to-all summed the tokens of
+  the ep ranks into it), so the divisor is the full data-parallel degree. (In the graph rather
+  than FSDP's set_gradient_divide_factor: that is a PREMUL_SUM, which gloo lacks, and with torch
+  2.13 it was not applied at all on a one-rank expert mesh, ep = dp_shard * cp.)
+- Activation checkpointing: each block's forward runs under non-reentrant torch.utils.checkpoint.
+  MoE routing statistics are side effects of forward, so the recompute restores them.
+- torch.compile per block (torchtitan's granularity: one graph reused by every layer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from core.model.moe import MoE
+from core.parallel.mesh import ParallelMesh
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}
+
+
+def apply_ddp(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
+    from torch.distributed._composable.replicate import replicate
+
+    # No buffer broadcast before each forward: it would overwrite each rank's MoE token counts
+    # (summed explicitly by reduce_moe_stats); RoPE and expert-bias buffers agree on every rank.
+    return replicate(model, device_mesh=mesh["dp_replicate"], broadcast_buffers=False)
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: ParallelMesh,
+               param_dtype: str | None = None, reduce_dtype: str | None = "float32",
+               reshard_after_forward: Literal["default", "always", "never"] = "default") -> nn.Module:
+    """Shard `blocks` one unit each, expert weights their own units, and `model` as the root."""
+    dims = mesh.dims
+    policy = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    # Pipeline stages run several microbatches forward before any backward: keeping their blocks
+    # gathered between them saves one all-gather per microbatch (torchtitan's default too).
+    reshard = {"always": True, "never": False, "default": dims.pp == 1}[reshard_after_forward]
+    kw = dict(mp_policy=policy, reshard_after_forward=reshard)
+    for block in blocks:
+        if dims.ep > 1:
+            for moe in (m for m in block.modules() if isinstance(m, MoE)):
+                fully_shard(moe.experts, mesh=mesh.expert_fsdp_mesh(), **kw)
+        fully_shard(block, mesh=mesh.fsdp_mesh(), **kw)
+    fully_shard(model, mesh=mesh.fsdp_mesh(), **kw)
+    return model
+
+
+class _RestoreMoEState:
+    """The recompute context of a checkpointed block: MoE side effects (token counts, aux loss,
+    router logits) stay those of the real forward."""
+
+    def __init__(self, moes: list[MoE]):
+        self.moes = moes
+
+    def __enter__(self):
+        self.saved = [(m.tokens_per_expert.clone(), m.aux_loss, m.last_router_logits) for m in self.moes]
+
+    def __exit__(self, *exc):
+        for m, (counts, aux, logits) in zip(self.moes, self.saved):
+            m.tokens_per_expert.copy_(counts)
+            m.aux_loss, m.last_router_logits = aux, logits
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
+    """Recompute each block's activations in backward; the block stays the same module (names and
+    hooks unchanged), only its forward is wrapped."""
+    for block in blocks:
+        moes = [m for m in block.modules() if isinstance(m, MoE)]
+        contexts = functools.partial(lambda ms: (contextlib.nullcontext(), _RestoreMoEState(ms)), moes)
+        block.checkpointed_forward = block.forward  # apply_compile may swap in a compiled version
+
+        def forward(*args, _block=block, _contexts=contexts, **kwargs):
+            return checkpoint(_block.checkpointed_forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
+
+        block.forward = forward
+
+
+def apply_compile(blocks: list[nn.Module]) -> None:
+    """Compile each block; a checkpointed block compiles inside the checkpoint (the recompute
+    context above is eager Python, which a compiled checkpoint would not accept)."""
+    for block in blocks:
+        if hasattr(block, "checkpointed_forward"):
+            block.checkpointed_forward = torch.compile(block.checkpointed_forward)
+        else:
+            block.compile()
