@@ -207,8 +207,8 @@ def _bwd_dq_kernel(
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-    tl.store(DQ + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=q_mask)
+    tl.store(DQ + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
 def _meta(q: Tensor, causal: bool) -> dict:
@@ -231,6 +231,8 @@ def _blocks(kernel: str) -> tuple[int, int]:
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, causal: bool,
              scale: float) -> tuple[Tensor, Tensor]:
+    # contiguous: the kernels index outputs (and dq, dk, dv in backward) with the inputs' strides
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     n_tokens, n_heads, _ = q.shape
     n_docs = cu_seqlens.numel() - 1
     out = torch.empty_like(q)
@@ -249,9 +251,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: in
 
 def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
               max_seqlen: int, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))  # dq, dk, dv reuse these strides
     n_tokens, n_heads, head_dim = q.shape
     n_docs = cu_seqlens.numel() - 1
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if n_tokens == 0 or n_docs == 0 or max_seqlen == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -359,5 +361,4 @@ def flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_s
         return flash_attn_varlen_reference(q, k, v, cu_seqlens, causal, scale)
     if cu_seqlens.numel() - 1 > 65535:
         raise ValueError(f"at most 65535 documents per call (CUDA grid limit), got {cu_seqlens.numel() - 1}")
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return torch.ops.posttrain.flash_attn_varlen_fwd(q, k, v, cu_seqlens, int(max_seqlen), causal, scale)[0]

@@ -135,7 +135,8 @@ def accumulate_linear_grads(g: Tensor, h: Tensor, weight: Tensor, grad_h: Tensor
 def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, chunk_size: int,
              reduction: str, softcap: float | None, need_h: bool, need_w: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, grad_hidden, grad_weight); the grads are 0-element tensors when not computed."""
-    n, vocab = hidden.shape[0], weight.shape[0]
+    n = hidden.shape[0]
+    target = target.contiguous()  # the kernel reads target[row] at unit stride
     eager = reduction != "none" and (need_h or need_w)
     losses = hidden.new_empty(n, dtype=torch.float32)
     keep = (target != ignore_index).sum()
@@ -162,7 +163,7 @@ def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
               chunk_size: int, softcap: float | None, need_h: bool, need_w: bool) -> tuple[Tensor, Tensor]:
     """reduction="none": recompute each chunk's logits, gradient row t scaled by grad_loss[t]."""
     n = hidden.shape[0]
-    grad_loss = grad_loss.float().contiguous()
+    grad_loss, target = grad_loss.float().contiguous(), target.contiguous()
     losses = hidden.new_empty(n, dtype=torch.float32)  # recomputed, unused
     grad_h = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
     grad_w = weight.new_zeros(weight.shape, dtype=torch.float32) if need_w else None

@@ -28,7 +28,6 @@ Reference: `core.losses.chunked_distill_loss` / `chunked_token_logps`.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import triton
@@ -167,6 +166,7 @@ def _resolve(kind: str, beta: float) -> str:
 def _forward(sh: Tensor, sw: Tensor, th: Tensor, tw: Tensor, keep: Tensor, kind: str, temperature: float,
              beta: float, chunk_size: int, need_h: bool, need_w: bool) -> tuple[Tensor, Tensor, Tensor]:
     n = sh.shape[0]
+    keep = keep.contiguous()  # the kernel reads keep[row] at unit stride
     want_grad = need_h or need_w
     losses = sh.new_empty(n, dtype=torch.float32)
     count = keep.sum().clamp(min=1).float()

@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from core.model.rope import apply_rope as _apply_rope_one
 from kernels import _utils
 from kernels.dispatch import use_triton
 
@@ -154,6 +153,13 @@ def _writable(t: Tensor) -> bool:
     from torch._C._autograd import CreationMeta, _get_creation_meta  # no public equivalent
 
     return not t._is_view() or _get_creation_meta(t) == CreationMeta.DEFAULT
+
+
+def _apply_rope_one(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # Imported here: core.model imports this module, so a top-level import would be circular.
+    from core.model.rope import apply_rope
+
+    return apply_rope(x, cos, sin)
 
 
 def apply_rope_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:

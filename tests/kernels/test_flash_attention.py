@@ -78,11 +78,21 @@ def test_documents_do_not_attend_to_each_other():
     assert not torch.allclose(out1[7:19], out2[7:19])
 
 
-def test_custom_softmax_scale():
-    q, k, v, cu = packed([9, 4], 2, 2, 16, torch.float32)
-    with launched(fa.LAUNCHES, "fwd"):
+def test_strided_qkv_views_and_custom_scale():
+    """q, k, v sliced out of one fused (T, H + 2 H_kv, D) projection are not contiguous; outputs
+    and gradients must still land in the right places."""
+    n_heads, n_kv = 2, 1
+    cu = torch.tensor([0, 9, 13], dtype=torch.int32)
+    qkv = torch.randn(13, n_heads + 2 * n_kv, 16, requires_grad=True)
+    q, k, v = qkv.split([n_heads, n_kv, n_kv], dim=1)
+    with launched(fa.LAUNCHES, "fwd", "bwd"):
         out = flash_attn_varlen(q, k, v, cu, 9, True, softmax_scale=0.5)
-    scaled_close(out, flash_attn_varlen_reference(q, k, v, cu, True, 0.5), torch.float32, "out, scale 0.5")
+        (grad,) = torch.autograd.grad(out.square().sum(), qkv)
+    qkv_ref = fp32_copy(qkv)
+    ref = flash_attn_varlen_reference(*qkv_ref.split([n_heads, n_kv, n_kv], dim=1), cu, True, 0.5)
+    (grad_ref,) = torch.autograd.grad(ref.square().sum(), qkv_ref)
+    scaled_close(out, ref, torch.float32, "out, strided views, scale 0.5")
+    scaled_close(grad, grad_ref, torch.float32, "d qkv")
 
 
 def test_reference_when_kernels_disabled_and_bad_arguments():

@@ -2,8 +2,8 @@
 in fp32 on the same values.
 
 Shapes are odd on purpose: V = 300 over 256-wide vocab blocks (one full block and a 44-wide
-ragged one, so the online logsumexp really runs across blocks), H = 72, 18 tokens in chunks of
-5 (the last chunk holds three), ignored targets mid-sequence, and shift=True's dropped last
+ragged one, so the online logsumexp really runs across blocks), H = 72, 14 tokens in chunks of
+5 (the last chunk holds four), ignored targets mid-sequence, and shift=True's dropped last
 position. The interpreter runs each row as Python: shapes stay tiny.
 
 Tolerances. Both sides are divided by max|reference| before comparing, so one (atol, rtol) per
@@ -47,12 +47,12 @@ def scaled_close(actual, expected, dtype, what):
                                rtol=rtol, msg=lambda m: f"{what} ({dtype}): {m}")
 
 
-def make_inputs(dtype, B=2, S=9, vocab=V, hidden=H):
+def make_inputs(dtype, B=2, S=7, vocab=V, hidden=H):
     h = torch.randn(B, S, hidden).to(dtype).requires_grad_()
     w = (torch.randn(vocab, hidden) / hidden**0.5).to(dtype).requires_grad_()
     labels = torch.randint(0, vocab, (B, S))
-    labels[0, 3:6] = IGN
-    labels[1, 7] = IGN
+    labels[0, 2:4] = IGN
+    labels[1, 5] = IGN
     return h, w, labels
 
 
@@ -72,19 +72,15 @@ def check(dtype, reduction, softcap=None, shift=True, chunk_size=5):
     scaled_close(gw, rw, dtype, "grad weight")
 
 
-@pytest.mark.parametrize("reduction, softcap", [("mean", None), ("mean", 3.0), ("sum", None), ("none", None),
-                                                ("none", 3.0)])
-def test_fp32_matches_reference(reduction, softcap):
-    check(torch.float32, reduction, softcap)
+@pytest.mark.parametrize("reduction, softcap, shift", [("mean", None, True), ("sum", None, False),
+                                                       ("none", None, True), ("none", 3.0, True)])
+def test_fp32_matches_reference(reduction, softcap, shift):
+    check(torch.float32, reduction, softcap, shift)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_bf16_matches_fp32_reference(reduction):
     check(torch.bfloat16, reduction, chunk_size=None)  # also covers the default chunk rule
-
-
-def test_unshifted_labels():
-    check(torch.float32, "sum", shift=False, chunk_size=18)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

@@ -4,7 +4,7 @@ in fp32 on the same values.
 
 Shapes: V = 300 over 256-wide vocab blocks (a full block and a 44-wide ragged one: the online
 logsumexps and the per-block divergence sums run across blocks), student hidden 24 and teacher
-hidden 40 (distinct widths), 18 tokens in chunks of 5, masked / ignored positions mid-sequence.
+hidden 40 (distinct widths), 14 tokens in chunks of 5, masked / ignored positions mid-sequence.
 
 Tolerances, compared after dividing both sides by max|reference| (losses ~1, gradients ~1e-2):
   fp32  (1e-5, 1e-5): the same fp32 math in another order (online vs two-pass logsumexp, the
@@ -37,7 +37,7 @@ def _small_blocks(monkeypatch):
     monkeypatch.setattr(flce, "MAX_BLOCK", 256)
 
 
-def distill_inputs(dtype, B=2, S=9):
+def distill_inputs(dtype, B=2, S=7):
     sh = torch.randn(B, S, HS).to(dtype).requires_grad_()
     sw = (torch.randn(V, HS) / HS**0.5).to(dtype).requires_grad_()
     th = torch.randn(B, S, HT).to(dtype)

@@ -1,0 +1,1 @@
+"""Benchmark scripts: each prints one JSON document (see benchmarks/kernels.py)."""
