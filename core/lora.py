@@ -160,6 +160,14 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, adapter_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x: (..., in). adapter_ids: (B,) indices into `self.adapters` (len(adapters) = none)."""
+        name = self.active_adapter
+        if (name is not None and not self.disabled and not self.merged and adapter_ids is None
+                and self.routing is None and not self.quantized and name not in self.lora_magnitude
+                and not (self.training and self.configs[name]["dropout"] > 0)):
+            # The common case, plain LoRA: base and low-rank path in one fused op (Triton on GPUs).
+            from kernels.lora import lora_linear
+
+            return lora_linear(x, self.weight, self.bias, self.lora_A[name], self.lora_B[name], self.scaling[name])
         base = self._dense(x)
         if self.bias is not None:
             base = base + self.bias
