@@ -21,8 +21,11 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from core.model.generate import Generation, SamplingParams, generate
+from core.parallel.grad_norm import clip_grad_norm_ as clip_across_meshes
+from core.reliability import all_reduce
 
 
 @dataclass
@@ -90,11 +93,15 @@ class Trainer:
         dp_group: dist.ProcessGroup | None = None,
         grads_are_averaged: bool = False,
         sync_grads: bool = False,
+        stats_group: dist.ProcessGroup | None = None,
     ):
         """model: already parallelized (core.parallel.parallelize) and on its device.
-        dp_group: the data-parallel group over which token counts are summed.
+        dp_group: the data-parallel group over which token counts are summed: the ranks that see
+        distinct tokens (mesh.group("dp_cp") under core.parallel; tp ranks share theirs).
         grads_are_averaged: True when the DP wrapper (DDP, FSDP) averages gradients over ranks,
         so the token normalization must undo that division.
+        stats_group: where MoE tokens_per_expert are summed; default dp_group (under tp, whose
+        ranks route shards of the tokens: mesh.group("dp_cp_tp")).
         sync_grads: all-reduce (sum) gradients over dp_group at optim_step: plain data
         parallelism for a model no wrapper shards (small models, LoRA adapters)."""
         self.model = model
@@ -104,7 +111,11 @@ class Trainer:
         if not self.params:
             raise ValueError("the model has no trainable parameters")
         self.device = self.params[0].device
-        fused = self.device.type == "cuda"
+        # Sharded layouts make parameters DTensors (TP, FSDP); those that no layout shards (norms
+        # under TP) stay plain tensors, and fused AdamW refuses a mix of the two.
+        self.dtensors = any(isinstance(p, DTensor) for p in self.params)
+        mixed = self.dtensors and not all(isinstance(p, DTensor) for p in self.params)
+        fused = self.device.type == "cuda" and not mixed
         self.optimizer = torch.optim.AdamW(
             param_groups(model, optim.weight_decay), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
             fused=fused or None,
@@ -115,6 +126,7 @@ class Trainer:
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.grads_are_averaged = grads_are_averaged
         self.sync_grads = sync_grads and dp_group is not None and self.dp_size > 1
+        self.stats_group = stats_group if stats_group is not None else dp_group
         self.step = 0
         self.skipped_steps = 0
         self._reset_accum()
@@ -148,19 +160,20 @@ class Trainer:
             self._metrics.setdefault("moe/aux_loss", []).append(float(aux.detach()))
         return {"loss": float(out.loss_sum.detach() / n.clamp(min=1)), **out.metrics}
 
-    def optim_step(self) -> dict[str, float]:
+    def optim_step(self, skip_if: Callable[[dict[str, float]], bool] | None = None) -> dict[str, float]:
         """Normalize by the step's token count, clip, step the optimizer and the schedule.
 
-        A step whose gradient norm is not finite is skipped (gradients dropped, schedule not
-        advanced) and reported with `skipped=1`."""
+        A step whose gradient norm or loss is not finite, or for whose metrics `skip_if` (e.g. a
+        loss-spike screen) says True, is skipped (gradients dropped, schedule not advanced) and
+        reported with `skipped=1`. The loss and norm are global, so every rank decides alike."""
         totals = torch.stack([self._tokens, self._loss])
         if self.dp_group is not None:
-            dist.all_reduce(totals, group=self.dp_group)
+            all_reduce(totals, group=self.dp_group, name="trainer/tokens_loss")
         tokens, loss_sum = totals.tolist()
         if self.sync_grads:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
             flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all gradients
-            dist.all_reduce(flat, group=self.dp_group)
+            all_reduce(flat, group=self.dp_group, name="trainer/grads")
             for p, g in zip(self.params, flat.split([g.numel() for g in grads])):
                 p.grad = g.view_as(p)
         scale = (self.dp_size if self.grads_are_averaged else 1.0) / max(tokens, 1.0)
@@ -168,14 +181,15 @@ class Trainer:
             if p.grad is not None:
                 p.grad.mul_(scale)
         max_norm = self.cfg.max_grad_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP/TP
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
+        if self.dtensors:  # gradients on several meshes (TP, FSDP), which torch's clip cannot mix
+            grad_norm = float(clip_across_meshes(self.params, max_norm))
+        else:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
         metrics = {k: sum(v) / len(v) for k, v in self._metrics.items()}
         metrics.update(loss=loss_sum / max(tokens, 1.0), grad_norm=grad_norm, tokens=tokens,
                        lr=self.scheduler.get_last_lr()[0])
-        if not math.isfinite(grad_norm) or not math.isfinite(metrics["loss"]):
+        bad = not math.isfinite(grad_norm) or not math.isfinite(metrics["loss"])
+        if bad or (skip_if is not None and skip_if(metrics)):
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
             self._reset_accum()
@@ -193,8 +207,8 @@ class Trainer:
         moe_layers = self.model.moe_layers() if hasattr(self.model, "moe_layers") else []
         for i, m in enumerate(moe_layers):
             load = m.tokens_per_expert
-            if self.dp_group is not None:
-                dist.all_reduce(load, group=self.dp_group)
+            if self.stats_group is not None:
+                all_reduce(load, group=self.stats_group, name="trainer/moe_load")
             if load.sum() > 0:
                 frac = load / load.sum()
                 metrics[f"moe/layer{i}_max_load"] = float(frac.max() * len(frac))

@@ -60,9 +60,9 @@ class Dist:
         return t.cpu().tolist()
 
 
-def init_distributed() -> Dist:
+def init_distributed(timeout_s: float | None = None) -> Dist:
     """Join torchrun's process group (gloo on CPU, NCCL on GPUs); a plain single process if not
-    launched by torchrun."""
+    launched by torchrun. `timeout_s`: the collective timeout (ReliabilityConfig)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -72,7 +72,9 @@ def init_distributed() -> Dist:
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        from core.reliability import prepare_process_group
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **prepare_process_group(timeout_s))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     return Dist(rank, world, local_rank, device)
@@ -221,8 +223,10 @@ def stage_run(cfg: StageConfig, stage: str, is_main: bool = True) -> Iterator[An
     try:
         yield tracker
     except BaseException as e:
+        from core.reliability import Preempted
+
         tracker.set_tags({"posttrain.error": f"{type(e).__name__}: {e}"[:5000]})
-        tracker.end(status="FAILED")
+        tracker.end(status="KILLED" if isinstance(e, (Preempted, KeyboardInterrupt)) else "FAILED")
         raise
     else:
         tracker.end(status="FINISHED")

@@ -32,10 +32,12 @@ from core.loop import fit
 from core.manifest import digest, write_manifest
 from core.model.generate import SamplingParams, generate
 from core.objectives import CHUNK, distill_objective
+from core.reliability import Reliability
 from core.trainer import LossOutput
-from stages.common import Dist, close_distributed, init_distributed, load_model, parse_spec, progress, stage_run
+from stages.common import (Dist, StageError, close_distributed, init_distributed, load_model, parse_spec, progress,
+                           stage_run)
 from stages.training import (DeviceLoader, build_policy, build_trainer, clear_checkpoints, doc_loader, export,
-                             mean_loss, sft_documents, to_device, total_steps)
+                             mean_loss, sampling, sft_documents, to_device, total_steps)
 
 log = logging.getLogger("posttrain.distill")
 
@@ -83,7 +85,8 @@ class OnPolicyMix:
         prompts = [prompt_of(Document(ids[a:b], labels[a:b])) for a, b in zip(cu[:-1], cu[1:])]
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=1.0,
                                 stop_token_ids=tuple(self.tok.eos_ids))
-        gens = generate(self.student, prompts, params, pad_id=self.tok.pad_id or 0)
+        with sampling(self.student, self.cfg.parallel):  # every rank samples at the same micro-step
+            gens = generate(self.student, prompts, params, pad_id=self.tok.pad_id or 0)
         self.student.train()
         self.samples += len(gens)
         docs = [Document(p + g.tokens, [IGNORE_INDEX] * len(p) + g.tokens) for p, g in zip(prompts, gens) if g.tokens]
@@ -152,9 +155,12 @@ def offline_objective(cfg: DistillConfig, topk: dict[str, torch.Tensor]) -> Any:
 
 
 def run(cfg: DistillConfig) -> dict:
-    d = init_distributed()
+    d = init_distributed(cfg.reliability.collective_timeout_s)
     out = Path(cfg.output_dir or "distill")
-    student, tok, upstream = build_policy(cfg, d)
+    if cfg.mode != "online" and cfg.parallel.tp > 1:  # sampling with a KV cache / full-vocab top-k logits
+        raise StageError(f"distill: mode={cfg.mode!r} does not support tensor parallelism yet; set parallel.tp=1 "
+                         f"(parallel.tp={cfg.parallel.tp}) or mode='online'")
+    student, tok, upstream, d = build_policy(cfg, d)  # d: now with the mesh
     teacher, teacher_manifest = load_model(cfg.teacher, d.device, cfg.seed)
     teacher.requires_grad_(False).eval()
     if teacher.args.vocab_size != student.args.vocab_size:
@@ -204,7 +210,8 @@ def run(cfg: DistillConfig) -> dict:
             last = fit(trainer, train, objective, max_steps=steps, grad_accum=cfg.optim.grad_accum_steps,
                        manager=manager, resume=cfg.checkpoint.resume, log_every=cfg.tracking.log_every,
                        on_metrics=log_metrics, evaluate=validate, eval_every=cfg.eval_interval,
-                       advance=lambda n, **kw: advance(n, **kw))
+                       advance=lambda n, **kw: advance(n, **kw),
+                       reliability=Reliability.from_config(cfg.reliability, out / "watchdog"))
         manager.close()
         elapsed = time.perf_counter() - t_start
         metrics = {"train/loss": last.get("loss"), "val/kl": last.get("val/kl"),

@@ -24,10 +24,11 @@ from core.loop import fit
 from core.manifest import digest, write_manifest
 from core.model.generate import SamplingParams, generate
 from core.objectives import dpo_objective, pair_logps
+from core.reliability import Reliability
 from core.tasks import verify
-from stages.common import Dist, close_distributed, init_distributed, parse_spec, progress, stage_run
-from stages.training import (DeviceLoader, build_policy, build_trainer, clear_checkpoints, export, pair_loader,
-                             preference_pairs, to_device, total_steps)
+from stages.common import Dist, StageError, close_distributed, init_distributed, parse_spec, progress, stage_run
+from stages.training import (DeviceLoader, build_policy, build_trainer, clear_checkpoints, data_shard, export,
+                             pair_loader, preference_pairs, sampling, to_device, total_steps)
 
 log = logging.getLogger("posttrain.dpo")
 
@@ -44,7 +45,8 @@ def on_policy_pairs(model, tok, rows: list[dict[str, Any]], cfg: DPOConfig, d: D
     for i in range(0, len(rows), 32):
         chunk = rows[i : i + 32]
         prompts = [r["prompt_ids"] for r in chunk for _ in range(cfg.num_samples)]
-        gens = generate(model, prompts, params, pad_id=tok.pad_id or 0)
+        with sampling(model, cfg.parallel):
+            gens = generate(model, prompts, params, pad_id=tok.pad_id or 0)
         for j, r in enumerate(chunk):
             cands = gens[j * cfg.num_samples : (j + 1) * cfg.num_samples]
             scored = sorted(cands, key=lambda g: -verify(r["answer"], tok.decode(g.tokens, skip_special_tokens=True)))
@@ -96,25 +98,32 @@ def reward_accuracy(model, pairs: list[PreferencePair], objective, cfg: DPOConfi
     from core.data.packing import collate_preference
 
     sums: dict[str, float] = {}
-    mine = list(range(len(pairs)))[d.rank :: d.world]
-    for i in range(0, len(mine), cfg.data.micro_batch_size):
+    rank, world = data_shard(d)
+    mine = list(range(len(pairs)))[rank::world]
+    # Every rank runs as many forwards as rank 0 (parallel layouts communicate inside them): a
+    # rank out of pairs scores pair 0 again, with weight 0.
+    for i in range(0, len(range(0, len(pairs), world)), cfg.data.micro_batch_size):
         units = mine[i : i + cfg.data.micro_batch_size]
+        n, units = len(units), units or [0]
         batch = to_device(collate_preference([pairs[u] for u in units]), d.device)
         if ref is not None:
             batch["ref_logps"] = torch.cat([ref[units, 0], ref[units, 1]]).to(d.device)
         out = objective(model, batch)
         for k, v in out.metrics.items():
-            sums[k] = sums.get(k, 0.0) + v * len(units)
-        sums["n"] = sums.get("n", 0.0) + len(units)
+            sums[k] = sums.get(k, 0.0) + v * n
+        sums["n"] = sums.get("n", 0.0) + n
     keys = sorted(k for k in sums if k != "n")
     totals = d.all_reduce_sum([sums.get(k, 0.0) for k in keys] + [sums.get("n", 0.0)])
     return {f"val/{k.split('/', 1)[1]}": totals[i] / max(totals[-1], 1.0) for i, k in enumerate(keys)}
 
 
 def run(cfg: DPOConfig) -> dict:
-    d = init_distributed()
+    d = init_distributed(cfg.reliability.collective_timeout_s)
     out = Path(cfg.output_dir or "dpo")
-    model, tok, upstream = build_policy(cfg, d)
+    if cfg.pairs == "on_policy" and cfg.parallel.tp > 1:
+        raise StageError(f"dpo: pairs='on_policy' samples with a KV cache, which tensor parallelism does not support "
+                         f"yet; set parallel.tp=1 (parallel.tp={cfg.parallel.tp}) or pairs='offline'")
+    model, tok, upstream, d = build_policy(cfg, d)  # d: now with the mesh
     train_rows = [r for _, r in preference_pairs(cfg.data.sources, "train")]
     val_pairs = [p for p, _ in preference_pairs(cfg.data.sources, "val")]
     with stage_run(cfg, "dpo", d.is_main) as run_:
@@ -161,7 +170,8 @@ def run(cfg: DPOConfig) -> dict:
             last = fit(trainer, train, objective, max_steps=steps, grad_accum=cfg.optim.grad_accum_steps,
                        manager=manager, resume=cfg.checkpoint.resume, log_every=cfg.tracking.log_every,
                        on_metrics=run_.log_metrics, evaluate=validate, eval_every=cfg.eval_interval,
-                       advance=lambda n, **kw: advance(n, **kw))
+                       advance=lambda n, **kw: advance(n, **kw),
+                       reliability=Reliability.from_config(cfg.reliability, out / "watchdog"))
         manager.close()
         metrics = {"train/loss": last.get("loss"), "steps": trainer.step, "train_pairs": len(pairs),
                    **{k: v for k, v in last.items() if k.startswith("val/")},

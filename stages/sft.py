@@ -15,6 +15,7 @@ from core.config import SFTConfig
 from core.loop import fit
 from core.manifest import write_manifest
 from core.objectives import sft_objective
+from core.reliability import Reliability
 from stages.common import close_distributed, init_distributed, parse_spec, progress, stage_run
 from stages.training import (DeviceLoader, build_policy, build_trainer, clear_checkpoints, doc_loader, export,
                              mean_loss, sft_documents, total_steps)
@@ -23,9 +24,9 @@ log = logging.getLogger("posttrain.sft")
 
 
 def run(cfg: SFTConfig) -> dict:
-    d = init_distributed()
+    d = init_distributed(cfg.reliability.collective_timeout_s)
     out = Path(cfg.output_dir or "sft")
-    model, tok, upstream = build_policy(cfg, d)
+    model, tok, upstream, d = build_policy(cfg, d)  # d: now with the mesh
     train_docs = sft_documents(cfg.data.sources, "train", tok, cfg.data)
     val_docs = sft_documents(cfg.data.sources, "val", tok, cfg.data)
     train = DeviceLoader(doc_loader(train_docs, cfg.data, d, epochs=cfg.epochs), d.device)
@@ -48,7 +49,8 @@ def run(cfg: SFTConfig) -> dict:
             last = fit(trainer, train, sft_objective, max_steps=steps, grad_accum=cfg.optim.grad_accum_steps,
                        manager=manager, resume=cfg.checkpoint.resume, log_every=cfg.tracking.log_every,
                        on_metrics=run_.log_metrics, evaluate=validate, eval_every=cfg.eval_interval,
-                       advance=lambda n, **kw: advance(n, **kw))
+                       advance=lambda n, **kw: advance(n, **kw),
+                       reliability=Reliability.from_config(cfg.reliability, out / "watchdog"))
         manager.close()
         metrics = {"train/loss": last.get("loss"), "val/loss": last.get("val/loss"),
                    "val/loss_initial": before.get("val/loss"), "steps": trainer.step,

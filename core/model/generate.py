@@ -2,6 +2,8 @@
 
 Prompts of different lengths share one batch by left padding, so every row writes the cache at
 the same slot each step; position ids count only real tokens, so padding changes nothing.
+Every step is one call of the model's forward (the lm_head applied to the last position as its
+`head`), so wrappers that act in forward hooks (FSDP gathering weights) see it like training.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits
 
 
+def _last_logits(model: Transformer, ids, positions, mask, cache: KVCache) -> torch.Tensor:
+    """(B, V) fp32 logits of the last position, through forward."""
+    return model(ids, positions, mask, cache=cache, head=lambda h, w: model.lm_head(h[:, -1])).float()
+
+
 @torch.no_grad()
 def generate(
     model: Transformer, prompts: list[list[int]], params: SamplingParams, pad_id: int = 0
@@ -77,10 +84,9 @@ def generate(
     logps = torch.zeros(B, params.max_new_tokens, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.full((B,), params.max_new_tokens, device=device)
-    hidden = model.hidden_states(ids, positions, mask[:, :T0], cache)[:, -1]
+    logits = _last_logits(model, ids, positions, mask[:, :T0], cache)  # (B, V)
     pos = positions[:, -1]
     for t in range(params.max_new_tokens):
-        logits = model.lm_head(hidden).float()  # (B, V)
         if params.temperature == 0:
             token = logits.argmax(-1)
         else:
@@ -96,7 +102,7 @@ def generate(
             break
         mask[:, T0 + t] = 1
         pos = pos + 1
-        hidden = model.hidden_states(token[:, None], pos[:, None], mask[:, :T0 + t + 1], cache)[:, -1]
+        logits = _last_logits(model, token[:, None], pos[:, None], mask[:, :T0 + t + 1], cache)
     model.train(was_training)
 
     results = []
