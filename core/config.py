@@ -26,6 +26,8 @@ STAGE_MODULES = {"data_prep": "data_prep", "sft_teacher": "sft", "sft_student": 
 """Pipeline stage name -> `stages.<module>` entry point that runs it."""
 Dtype = Literal["float32", "bfloat16", "float16"]
 C = TypeVar("C", bound=BaseModel)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class ConfigError(ValueError):
@@ -34,7 +36,32 @@ class ConfigError(ValueError):
 
 class _Base(BaseModel):
     # Field descriptions land in the JSON schema, which Prefect renders as its run form.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf/nan pass pydantic's gt/ge checks (nan compares false, inf is "greater"); no knob wants them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        # No path, argv entry, env value or URL can hold a NUL, and a lone surrogate (YAML's
+        # "\ud800") cannot even be written to the JSON spec: refuse them here, not deep in a stage.
+        if (why := _bad_text(v)) is not None:
+            raise ValueError(why)
+        return v
+
+
+_BAD_TEXT = re.compile("[\x00\ud800-\udfff]")
+
+
+def _bad_text(v: Any) -> str | None:
+    if isinstance(v, str):
+        m = _BAD_TEXT.search(v)
+        return None if m is None else "contains a NUL byte" if m.group() == "\x00" else \
+            "is not valid Unicode (a lone surrogate)"
+    if isinstance(v, (list, tuple)):
+        return next((w for x in v if (w := _bad_text(x))), None)
+    if isinstance(v, dict):
+        return next((w for k, x in v.items() if (w := _bad_text(k) or _bad_text(x))), None)
+    return None
 
 
 def ensure_within(base: str | Path, path: str | Path) -> Path:
@@ -198,7 +225,7 @@ class DataConfig(_Base):
         None, gt=0, description="Tokens per rank per micro step when packing; replaces micro_batch_size.")
     chat_template: str | None = Field(None, description="Template name or Jinja file; None = tokenizer's.")
     mask_prompt: bool = Field(True, description="Loss on responses only.")
-    seed: int = Field(0, description="Shuffle seed (sampling is deterministic and resumable).")
+    seed: int = Field(0, ge=0, lt=2**63, description="Shuffle seed (sampling is deterministic and resumable).")
     val_fraction: float = Field(0.05, ge=0, lt=1, description="Held out for val if sources lack the split.")
     test_fraction: float = Field(0.0, ge=0, lt=1, description="Held out for test if sources lack the split.")
     dedup: bool = Field(False, description="Drop exact duplicates (data prep already does).")
@@ -221,6 +248,35 @@ class CheckpointConfig(_Base):
         "fail", description="A failed periodic save stops the job, or is logged and retried next time.")
 
 
+class ReliabilityConfig(_Base):
+    """How a training stage survives bad steps, hangs and preemption (core.reliability)."""
+
+    spike_zscore: float = Field(
+        6.0, ge=0, description="Skip a step whose loss is this many std devs above the recent mean; 0 = off.")
+    spike_window: int = Field(
+        100, ge=2, description="Recent accepted step losses the z-score uses; active once half full.")
+    max_bad_steps: int = Field(
+        5, ge=0, description="After this many skipped steps in a row (non-finite or spike), roll back to "
+                             "the last checkpoint, keeping the data position; 0 = never roll back.")
+    max_rollbacks: int = Field(3, ge=0, description="Rollbacks allowed in one run before it fails as diverged.")
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, description="Timeout of every collective (init_process_group); past it the rank fails.")
+    hang_timeout_s: float = Field(
+        900.0, ge=0, description="Watchdog: a rank without progress this long dumps every rank's stack and "
+                                 "ends the job (must exceed the longest step, eval or save); 0 = off.")
+    preempt_grace_s: float = Field(
+        60.0, gt=0, description="After SIGTERM: time to write a final checkpoint and exit (code 75) before a "
+                                "hard exit; keep it below the scheduler's kill delay (torchrun: 30 s).")
+
+    @model_validator(mode="after")
+    def _check(self) -> ReliabilityConfig:
+        if self.hang_timeout_s and self.hang_timeout_s >= self.collective_timeout_s:
+            raise ValueError(f"hang_timeout_s={self.hang_timeout_s} must be below collective_timeout_s="
+                             f"{self.collective_timeout_s}: the watchdog dumps the stacks before a collective "
+                             "times out and ends the job without them")
+        return self
+
+
 class TrackingConfig(_Base):
     enabled: bool = Field(True, description="Log to MLflow (from rank 0).")
     tracking_uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI.")
@@ -238,6 +294,15 @@ class SlurmOptions(_Base):
     gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0 = CPU job.")
     cpus_per_task: int = Field(8, ge=1, description="CPUs per node (torchrun runs once per node).")
     extra_args: list[str] = Field([], description="More sbatch arguments, e.g. ['--qos=high'].")
+
+    @field_validator("partition", "account", "time", "extra_args")
+    @classmethod
+    def _one_line(cls, v: Any) -> Any:
+        # Each lands on an `#SBATCH` line of the batch script: a newline would start a shell command.
+        for item in v if isinstance(v, list) else [v]:
+            if item is not None and _CONTROL.search(item):
+                raise ValueError("contains a control character (a newline would add a line to the batch script)")
+        return v
 
 
 class KubernetesOptions(_Base):
@@ -262,6 +327,15 @@ class LauncherConfig(_Base):
     slurm: SlurmOptions = Field(SlurmOptions(), description="Used when kind='slurm'.")
     kubernetes: KubernetesOptions = Field(KubernetesOptions(), description="Used when kind='kubernetes'.")
 
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        # The Slurm script exports each key unquoted: it must be a plain name.
+        for k, val in v.items():
+            if not _ENV_NAME.fullmatch(k):
+                raise ValueError(f"env key {k!r} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> LauncherConfig:
         if self.kind == "local" and self.nnodes > 1:
@@ -273,20 +347,30 @@ class LauncherConfig(_Base):
         return self
 
 
+def check_layout(parallel: ParallelConfig, launcher: LauncherConfig) -> None:
+    """ValueError when the launcher's ranks cannot hold the parallel layout; checked when the
+    config loads, so an impossible layout never starts a process."""
+    try:
+        parallel.resolve(launcher.nnodes * launcher.nproc_per_node)
+    except ValueError as e:
+        raise ValueError(f"parallel: {e} (the launcher starts {launcher.nnodes} node(s) x "
+                         f"{launcher.nproc_per_node} ranks)") from None
+
+
 # ---------------------------------------------------------------------------------- stages
 
 class StageConfig(_Base):
     output_dir: str | None = Field(None, description="Output dir; None = <workspace>/<pipeline>/<stage>.")
     launcher: LauncherConfig | None = Field(None, description="None = the pipeline's launcher.")
     tracking: TrackingConfig | None = Field(None, description="None = the pipeline's tracking.")
-    seed: int = Field(0, description="Seed for init, dropout and sampling.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed for init, dropout and sampling.")
 
 
 class DataPrepConfig(StageConfig):
     sources: list[str] = Field([], description="JSONL/Parquet/HF dataset dirs to import.")
     format: Literal["sft", "preference", "auto"] = Field("auto", description="Row schema of sources.")
     synthetic_size: int = Field(2000, ge=0, description="Examples in the verifiable synthetic suite.")
-    synthetic_seed: int = Field(0, description="Seed of the synthetic suite.")
+    synthetic_seed: int = Field(0, ge=0, lt=2**63, description="Seed of the synthetic suite.")
     synthetic_tasks: list[str] | None = Field(None, description="Synthetic tasks; None = all.")
     tokenizer: str | None = Field(None, description="HF tokenizer dir; None = train a small BPE one.")
     vocab_size: int = Field(512, ge=32, description="Vocabulary of the trained tokenizer.")
@@ -318,6 +402,7 @@ class TrainStageConfig(StageConfig):
     optim: OptimConfig = Field(OptimConfig(), description="Optimizer and LR schedule.")
     data: DataConfig = Field(DataConfig(), description="Training data.")
     checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="Checkpoints and resume.")
+    reliability: ReliabilityConfig = Field(ReliabilityConfig(), description="Bad steps, hangs, preemption.")
     max_steps: int | None = Field(200, gt=0, description="Stop after this many steps (or `epochs`).")
     epochs: int = Field(1, ge=1, description="Stop after this many passes (or `max_steps`).")
     eval_interval: int = Field(50, ge=0, description="Validation every N steps; 0 = only at the end.")
@@ -329,6 +414,8 @@ class TrainStageConfig(StageConfig):
     def _check_train(self) -> TrainStageConfig:
         if self.save == "adapter" and not self.lora.enabled:
             raise ValueError("save='adapter' needs lora.enabled=true")
+        if self.launcher is not None:
+            check_layout(self.parallel, self.launcher)
         return self
 
 
@@ -411,6 +498,8 @@ class EvalConfig(StageConfig):
     def _check(self) -> EvalConfig:
         if self.num_samples > 1 and self.temperature == 0:
             raise ValueError("num_samples > 1 with temperature=0 repeats one greedy sample")
+        if self.launcher is not None:
+            check_layout(self.parallel, self.launcher)
         return self
 
 
@@ -486,6 +575,11 @@ class PipelineConfig(_Base):
             dirs[d] = s
             data = getattr(cfg, "data", None)
             enabled = getattr(self.stages, s)
+            if enabled and hasattr(cfg, "parallel") and cfg.launcher is None:
+                try:
+                    check_layout(cfg.parallel, self.launcher)
+                except ValueError as e:
+                    raise ValueError(f"{s}.{e}") from None
             if data is not None and not data.sources and enabled and not self.stages.data_prep:
                 raise ValueError(f"{s}.data.sources is empty and stages.data_prep is disabled")
         return self
@@ -536,7 +630,19 @@ class PipelineConfig(_Base):
 # ---------------------------------------------------------------------------------- loading
 
 class _Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 scalars: `1e-4` is a float, `no`/`on` and `4:00:00` stay strings."""
+    """SafeLoader with YAML 1.2 scalars: `1e-4` is a float, `no`/`on` and `4:00:00` stay strings;
+    a key given twice in one mapping is an error (YAML says so; PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[str] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"found duplicate key {key_node.value!r}", key_node.start_mark)
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
 
 
 _Yaml12Loader.yaml_implicit_resolvers = {
@@ -582,6 +688,26 @@ def _keys_at(cls: type[BaseModel], parts: list[str]) -> list[str]:
     return list(model.model_fields) if model is not None else []
 
 
+_MAX_NODES, _MAX_DEPTH = 100_000, 64
+
+
+def _check_size(data: Any, where: str) -> None:
+    """ConfigError for a document too deep or too big once YAML aliases are expanded (a "billion
+    laughs" document is small on disk; everything that walks it would not be)."""
+    stack, count = [(data, 0)], 0
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > _MAX_NODES:
+            raise ConfigError(f"{where}: more than {_MAX_NODES} values (with YAML aliases expanded); not a config")
+        if depth > _MAX_DEPTH:
+            raise ConfigError(f"{where}: nested more than {_MAX_DEPTH} levels deep; not a config")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, (list, tuple, set)):
+            stack.extend((v, depth + 1) for v in node)
+
+
 def _merge(base: dict, update: dict) -> dict:
     out = dict(base)
     for k, v in update.items():
@@ -591,9 +717,11 @@ def _merge(base: dict, update: dict) -> dict:
 
 def _read(path: Path) -> dict:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config {str(path)!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
     try:
         if path.suffix == ".json":
             data = json.loads(text)
@@ -601,8 +729,10 @@ def _read(path: Path) -> dict:
             data = yaml.load(text, Loader=_Yaml12Loader) or {}
         else:
             raise ConfigError(f"{path}: unknown config extension {path.suffix!r} (use .yaml, .yml, .json)")
-    except (yaml.YAMLError, json.JSONDecodeError) as e:
+    # ValueError: an integer of more than 4300 digits; RecursionError: thousands of nested brackets.
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
         raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
+    _check_size(data, str(path))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
     return data
@@ -612,7 +742,7 @@ def _format(cls: type[BaseModel], err: ValidationError, where: str, sets: list[t
     lines = []
     for e in err.errors(include_url=False):
         loc = e["loc"]
-        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" if i else str(p) for i, p in enumerate(loc))
         if e["type"] == "extra_forbidden":
             try:
                 valid = _keys_at(cls, [p for p in loc[:-1] if isinstance(p, str)])
@@ -654,8 +784,9 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
             raise ConfigError(f"--set {item}: {e}") from None
         try:
             value = yaml.load(raw, Loader=_Yaml12Loader)
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, ValueError, RecursionError) as e:
             raise ConfigError(f"--set {item}: value is not valid YAML: {e}") from None
+        _check_size(value, f"--set {item}")
         node = data
         for p in parts[:-1]:
             if not isinstance(node.get(p), dict):  # e.g. a `launcher: null` section being filled in
@@ -676,11 +807,14 @@ def dump_config(cfg: BaseModel) -> dict[str, Any]:
 
 
 def to_json_file(cfg: BaseModel, path: str | Path) -> Path:
-    """Write `cfg` as JSON atomically (write, then rename), for a torchrun entry point's --config."""
+    """Write `cfg` as JSON atomically (write, then rename), for a torchrun entry point's --config.
+    Readable by its owner only: it holds launcher.env, where tokens go."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(dump_config(cfg), indent=2, sort_keys=True) + "\n")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(json.dumps(dump_config(cfg), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -3,6 +3,9 @@
 MFU follows the PaLM appendix-B convention: model FLOPs per token = 6 * N (active, non-embedding
 parameters touched by matmuls) + 12 * L * H * T for attention (forward + backward), divided by
 the device's peak dense bf16 FLOP/s.
+
+Loss-spike and NaN handling, the hang watchdog (heartbeats, stack dumps, collective flight
+recorder) and preemption live in core.reliability, which core.loop.fit drives.
 """
 
 from __future__ import annotations

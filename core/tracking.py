@@ -87,6 +87,19 @@ def _truncate(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - len(marker)] + marker
 
 
+def check_artifact_path(path: str | None, what: str = "artifact path") -> str | None:
+    """A user-given artifact path must stay inside the run's artifact root: relative, without
+    `..`, backslashes or NUL (MLflow joins it onto the root, local or S3)."""
+    if not path:
+        return path
+    text = str(path)
+    if ("\x00" in text or "\\" in text or text.startswith("/") or re.match(r"^[A-Za-z]:", text)
+            or ".." in text.split("/")):
+        raise ValueError(f"{what} {text!r} must be a relative path inside the run's artifacts (no '..', "
+                         "no absolute path, no backslash)")
+    return text
+
+
 def clean_key(key: str) -> str:
     return _BAD_KEY_CHARS.sub("_", str(key))[:MAX_KEY_LEN]
 
@@ -250,11 +263,13 @@ class Tracker(NullTracker):
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """Upload a file or directory in the background: it must stay in place until flush()/end()."""
+        check_artifact_path(artifact_path)
         with self._lock:
             self._artifacts.append((str(path), artifact_path))
         self._wake.set()
 
     def _stage(self, artifact_file: str) -> Path:
+        check_artifact_path(artifact_file, "artifact file")
         path = self._staging / uuid.uuid4().hex / Path(artifact_file).name
         path.parent.mkdir(parents=True)
         return path

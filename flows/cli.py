@@ -49,7 +49,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_stage(args) -> int:
-    from core.config import STAGE_CONFIGS, load_config
+    from core.config import STAGE_CONFIGS, ConfigError, load_config
     from stages.launch import launch_stage
 
     if args.name not in STAGE_CONFIGS:
@@ -57,10 +57,15 @@ def cmd_stage(args) -> int:
         return 2
     from core.config import LauncherConfig, TrackingConfig
 
+    from pydantic import ValidationError
+
     spec = load_config(STAGE_CONFIGS[args.name], args.config, args.overrides)
-    spec.output_dir = spec.output_dir or str(Path("runs") / "manual" / args.name)
-    spec.launcher = spec.launcher or LauncherConfig()
-    spec.tracking = spec.tracking or TrackingConfig()
+    try:  # filling in the defaults re-validates: e.g. a parallel layout the default launcher cannot hold
+        spec.output_dir = spec.output_dir or str(Path("runs") / "manual" / args.name)
+        spec.launcher = spec.launcher or LauncherConfig()
+        spec.tracking = spec.tracking or TrackingConfig()
+    except ValidationError as e:
+        raise ConfigError("; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
     result = launch_stage(args.name, spec, spec.launcher, workdir=Path(spec.output_dir).parent / ".launch",
                           on_output=lambda line: print(line, end="" if line.endswith("\n") else "\n"))
     if result.returncode == 0 and result.manifest:

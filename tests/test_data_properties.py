@@ -202,3 +202,71 @@ def test_sampling_is_sharded_once_and_resumable(lengths, world_size, tokens, see
     resumed = make()
     resumed.load_state_dict(first.state_dict())
     assert head + list(resumed) == full
+
+
+# ------------------------------------------------------------------------------ Parquet
+
+# Parquet columns are typed: a bad row is a null, a wrong role or an empty string inside a
+# well-typed column, or a whole column of the wrong type. Arrow unifies the rows' types; rows it
+# cannot unify cannot be written, so each column draws all its values from one typed strategy.
+P_TEXT = st.one_of(CLEAN, EDGE_TEXT.filter(lambda s: not _has_surrogate(s)))
+P_ROLE = st.sampled_from(["system", "user", "assistant", "tool", "bot", "", "USER"])
+P_MESSAGE = st.fixed_dictionaries({"role": st.one_of(P_ROLE, st.none()), "content": st.one_of(P_TEXT, st.none())})
+P_CONVO = st.lists(P_MESSAGE, max_size=4)
+P_COLUMNS = {  # column -> strategies of one Arrow type each, right or wrong
+    "messages": [P_CONVO, st.lists(P_TEXT, max_size=3), st.integers(), P_TEXT],
+    "prompt": [P_TEXT, P_CONVO, st.integers()],
+    "completion": [P_TEXT, P_CONVO, st.floats(allow_nan=True)],
+    "chosen": [P_TEXT, P_CONVO, st.booleans()],
+    "rejected": [P_TEXT, P_CONVO],
+    "extra": [st.integers(), P_TEXT],
+}
+
+
+@st.composite
+def parquet_rows(draw):
+    names = draw(st.sampled_from([["messages"], ["prompt", "completion"], ["prompt", "chosen", "rejected"],
+                                  ["chosen", "rejected"], ["messages", "extra"], ["extra"]]))
+    typed = {n: draw(st.sampled_from(P_COLUMNS[n][:1] * 3 + P_COLUMNS[n][1:])) for n in names}
+    n_rows = draw(st.integers(1, 6))
+    rows = []
+    for _ in range(n_rows):
+        row = {}
+        for n, strategy in typed.items():
+            row[n] = draw(st.one_of(strategy, strategy, strategy, st.none()))  # nulls now and then
+        if typed.get("messages") is P_CONVO and draw(st.booleans()):  # often a well-formed conversation
+            row["messages"] = alternating(draw, corrupt=draw(st.booleans()))
+        rows.append(row)
+    return rows
+
+
+@SETTINGS
+@given(rows=parquet_rows(), fmt=st.sampled_from(["auto", "auto", "sft", "preference"]))
+def test_any_parquet_loads_or_fails_with_a_located_data_error(rows, fmt):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "train.parquet"
+        try:  # rows no Parquet file can hold (mixed types, lone surrogates, empty structs) are no input
+            pq.write_table(pa.Table.from_pylist(rows), path)
+        except (pa.ArrowException, OverflowError, UnicodeEncodeError):
+            event("not writable as Parquet")
+            return
+        for on_bad_row in ("error", "skip"):
+            try:
+                data = load_data(data_config([path], format=fmt, on_bad_row=on_bad_row), TOK)
+            except DataError as e:
+                text = str(e)
+                assert str(path) in text and len(text) < 2000, text
+                if e.row is not None:
+                    assert e.unit == "row" and 0 <= e.row < len(rows) and f"row {e.row}" in text, text
+                    if e.reason not in ROW_LEVEL:
+                        assert e.field is not None and f", field {e.field}: " in text, text
+                else:
+                    assert e.reason == "source", text
+                event(f"{on_bad_row}: {e.reason}")
+                continue
+            stats = data.stats
+            assert stats.kept + stats.total_dropped == len(rows)
+            event(f"{on_bad_row}: kept {stats.kept}/{len(rows)}")

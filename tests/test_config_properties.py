@@ -1,0 +1,321 @@
+"""Property tests for the config parser under hostile input: random YAML/JSON documents, valid
+configs with one value mutated (wrong types, huge numbers, inf/nan, unicode and path-like
+strings, unknown keys), random `--set` strings, raw bytes. Every case ends in a valid config or in
+a ConfigError that names the key path (or the file); never in another exception. Impossible
+parallel layouts and output dirs outside the workspace are refused when the config loads, i.e.
+before any process starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from core.config import (
+    STAGES, ConfigError, ParallelConfig, PipelineConfig, SFTConfig, dump_config, from_json_file, load_config,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DEFAULT = dump_config(PipelineConfig())
+
+
+def _leaves(node, path=()):
+    if isinstance(node, dict) and node:
+        for k, v in node.items():
+            yield from _leaves(v, path + (k,))
+    else:
+        yield path
+
+
+def _sections(node, path=()):
+    if isinstance(node, dict):
+        yield path
+        for k, v in node.items():
+            yield from _sections(v, path + (k,))
+
+
+LEAVES = sorted(_leaves(DEFAULT))
+SECTIONS = sorted(_sections(DEFAULT))
+KEY_NAMES = sorted({p for path in LEAVES for p in path})
+
+NASTY = ["", " ", "..", "../..", "../x", "/etc/passwd", "runs/../../x", "a/b", "~", "null", "~/x", "yes", "no",
+         "on", "0x1F", "1e400", "-0", ".inf", ".nan", "\u202eevil", "ключ", "日本", "🤖", "a\tb", "a\nb",
+         "a\x00b", "${HOME}", "$(id)", "*", "&a", "!!python/object:os.system", "%", "@", "`", "x" * 5000]
+TEXT = st.one_of(st.text(st.characters(blacklist_categories=("Cs",)), max_size=12), st.sampled_from(NASTY))
+SCALAR = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-2**200, 2**200),
+                   st.floats(), st.sampled_from([0, -1, 2**63, 2**64, 10**30, 1e308, float("inf"), float("nan")]),
+                   TEXT)
+KEY = st.one_of(st.sampled_from(KEY_NAMES), TEXT)
+VALUE = st.recursive(SCALAR, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEY, inner, max_size=3),
+                     max_leaves=6)
+
+
+def _write(text: str | bytes, suffix: str = ".yaml") -> Path:
+    fd, name = tempfile.mkstemp(suffix=suffix)
+    with os.fdopen(fd, "wb") as f:
+        f.write(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"))
+    return Path(name)
+
+
+def load(cls, path=None, overrides=()):
+    """The config, or the ConfigError; any other exception fails the test."""
+    try:
+        cfg = load_config(cls, path, overrides)
+    except ConfigError as e:
+        msg = str(e)
+        assert msg.strip() and len(msg) < 20_000, msg[:500]
+        event(f"ConfigError: {msg.split(':')[0][:30]}")
+        return e
+    event("valid")
+    return cfg
+
+
+def names_path(msg: str, path: tuple) -> bool:
+    """The message names the key: a dotted prefix of it, and the key itself unless the prefix
+    has two parts (a section's cross-field check names its fields in the text)."""
+    path = tuple(str(p) for p in path)
+    for k in range(len(path), 0, -1):
+        if ".".join(path[:k]) in msg:
+            return k >= 2 or len(path) == 1 or path[-1] in msg
+    return False
+
+
+def assert_usable(cfg: PipelineConfig) -> None:
+    """What a valid config promises: it round-trips, every enabled stage's spec builds, stays in
+    the workspace, and its parallel layout fits its launcher's ranks."""
+    again = PipelineConfig.model_validate(json.loads(json.dumps(dump_config(cfg))))
+    assert dump_config(again) == dump_config(cfg)
+    root = os.path.abspath(cfg.workspace)
+    for name in cfg.enabled_stages():
+        spec = cfg.stage(name)
+        out = os.path.abspath(spec.output_dir)
+        assert os.path.commonpath([root, out]) == root, (name, spec.output_dir)
+        if hasattr(spec, "parallel"):
+            spec.parallel.resolve(spec.launcher.nnodes * spec.launcher.nproc_per_node)
+
+
+def _set_in(doc: dict, path: tuple, value) -> None:
+    node = doc
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+
+
+def _round_trips(text: str, doc) -> bool:
+    from core.config import _Yaml12Loader
+
+    try:
+        back = yaml.load(text, Loader=_Yaml12Loader)
+        return json.dumps(back, sort_keys=True, default=repr) == json.dumps(doc, sort_keys=True, default=repr)
+    except (yaml.YAMLError, TypeError, ValueError):
+        return False
+
+
+@st.composite
+def mutation(draw):
+    """The default config with one change: a value replaced, a key added or removed."""
+    doc = json.loads(json.dumps(DEFAULT))
+    kind = draw(st.sampled_from(["replace", "replace", "replace", "add", "remove"]))
+    if kind == "add":
+        section = draw(st.sampled_from(SECTIONS))
+        key = draw(KEY)
+        path = section + (key,)
+        node = doc
+        for p in section:
+            node = node[p]
+        if key in node:
+            return doc, None
+        node[key] = draw(VALUE)
+    else:
+        path = draw(st.sampled_from(LEAVES))
+        if kind == "remove":
+            node = doc
+            for p in path[:-1]:
+                node = node[p]
+            del node[path[-1]]
+        else:
+            _set_in(doc, path, draw(VALUE))
+    return doc, path
+
+
+@SETTINGS
+@given(change=mutation(), as_json=st.booleans())
+def test_one_bad_value_is_named_by_its_key_path(change, as_json):
+    doc, path = change
+    text = yaml.safe_dump(doc, allow_unicode=True)
+    if not as_json and not _round_trips(text, doc):
+        as_json = True  # e.g. a key `0e0`: PyYAML writes it unquoted (YAML 1.1), YAML 1.2 reads a float
+        event("YAML written differs from the document; sent as JSON")
+    suffix = ".json" if as_json else ".yaml"
+    text = json.dumps(doc) if as_json else text
+    file = _write(text, suffix)
+    try:
+        got = load(PipelineConfig, file)
+    finally:
+        file.unlink()
+    if isinstance(got, ConfigError):
+        msg = str(got)
+        assert path is not None and (names_path(msg, path) or msg.startswith(f"{file}: ")), (path, msg)
+    else:
+        assert_usable(got)
+
+
+@SETTINGS
+@given(doc=st.dictionaries(KEY, VALUE, max_size=4), nest=st.sampled_from([(), ("sft_teacher",), ("launcher",)]))
+def test_random_documents(doc, nest):
+    for p in reversed(nest):
+        doc = {p: doc}
+    try:
+        text = yaml.safe_dump(doc, allow_unicode=True)
+    except yaml.YAMLError:  # e.g. a key yaml cannot represent: not a document a user can write
+        return
+    file = _write(text)
+    try:
+        got = load(PipelineConfig, file)
+    finally:
+        file.unlink()
+    if isinstance(got, ConfigError):
+        assert str(file) in str(got), str(got)  # which file, and (per line) which key
+    else:
+        assert_usable(got)
+
+
+@settings(SETTINGS, max_examples=30)
+@given(raw=st.one_of(st.binary(max_size=200), st.text(max_size=200),
+                     st.sampled_from(["a: " + "[" * 500, "{" * 100 + "}" * 100, "- 1", "1: 2", "null", "!!binary x",
+                                      "a: &a [1,1,1,1,1,1,1,1,1,1]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a]\n"
+                                      "c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b]\nd: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]\n"
+                                      "e: [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d]\n",
+                                      "name: a\nname: b\n", "sft_teacher:\n  max_steps: " + "9" * 5000])),
+       suffix=st.sampled_from([".yaml", ".json"]))
+def test_raw_bytes_and_text(raw, suffix):
+    file = _write(raw, suffix)
+    try:
+        got = load(PipelineConfig, file)
+    finally:
+        file.unlink()
+    if isinstance(got, ConfigError):
+        assert str(file) in str(got), str(got)
+    else:
+        assert_usable(got)
+
+
+SET_KEYS = st.one_of(st.sampled_from([".".join(p) for p in LEAVES]), st.sampled_from([".".join(p) for p in SECTIONS if p]),
+                     st.builds(lambda a, b: f"{a}.{b}", st.sampled_from([".".join(p) for p in LEAVES]), TEXT), TEXT)
+SET_VALUES = st.one_of(TEXT, VALUE.map(lambda v: json.dumps(v)), st.sampled_from(["[", "{a: ", "!!python/name:os.system",
+                                                                                 "&x [*x]", "9" * 5000, "a: b: c"]))
+
+
+@SETTINGS
+@given(sets=st.lists(st.tuples(SET_KEYS, st.sampled_from(["=", "=", "", "=="]), SET_VALUES), min_size=1, max_size=3))
+def test_random_set_overrides(sets):
+    items = [f"{k}{eq}{v}" for k, eq, v in sets]
+    got = load(PipelineConfig, None, items)
+    if isinstance(got, ConfigError):
+        msg = str(got)
+        keys = [k.strip() for k, eq, _ in sets]
+        assert (any(names_path(msg, tuple(k.split("."))) for k in keys) or any(k and f"--set {k}" in msg for k in keys)
+                or any(i in msg or repr(i) in msg for i in items)), (items, msg)
+    else:
+        assert_usable(got)
+
+
+@SETTINGS
+@given(sizes=st.fixed_dictionaries({k: st.sampled_from([1, 1, 2, 3, 4]) for k in ("dp_replicate", "tp", "pp", "cp", "ep")}),
+       dp_shard=st.sampled_from([-1, -1, 1, 2, 3]), nproc=st.integers(1, 8), nnodes=st.integers(1, 3),
+       stage=st.sampled_from(["sft_teacher", "distill", "dpo", "evaluate"]))
+def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc, nnodes, stage):
+    kind = "local" if nnodes == 1 else "multinode"
+    sets = [f"{stage}.parallel.{k}={v}" for k, v in sizes.items()] + [f"{stage}.parallel.dp_shard={dp_shard}",
+            f"launcher.nproc_per_node={nproc}", f"launcher.nnodes={nnodes}", f"launcher.kind={kind}",
+            "launcher.rdzv_endpoint=head:29500"]
+    if sizes["pp"] > 1:
+        sets.append(f"{stage}.parallel.pp_microbatches={sizes['pp']}")
+    got = load(PipelineConfig, None, sets)
+    try:
+        ParallelConfig(**sizes, dp_shard=dp_shard, pp_microbatches=sizes["pp"] if sizes["pp"] > 1 else None
+                       ).resolve(nproc * nnodes)
+        fits = True
+    except ValueError:
+        fits = False
+    if fits:
+        assert isinstance(got, PipelineConfig), str(got)
+        assert_usable(got)
+    else:
+        assert isinstance(got, ConfigError) and f"{stage}.parallel: " in str(got), str(got)
+
+
+@settings(SETTINGS, max_examples=25)
+@given(out=st.one_of(TEXT, st.builds(os.path.join, st.sampled_from(["..", "/", "/tmp", "a", "."]), TEXT)),
+       stage=st.sampled_from(STAGES))
+def test_output_dirs_never_escape_the_workspace(out, stage):
+    got = load(PipelineConfig, None, [f"{stage}.output_dir={json.dumps(out)}"])
+    if isinstance(got, ConfigError):
+        assert f"{stage}.output_dir" in str(got), str(got)
+    else:
+        assert_usable(got)  # includes: the stage dir lies inside the workspace
+
+
+@SETTINGS
+@given(doc=st.dictionaries(KEY, VALUE, max_size=5))
+def test_stage_spec_json(doc):
+    """The JSON spec a torchrun entry point reads (from_json_file), with NaN/Infinity allowed."""
+    file = _write(json.dumps(doc), ".json")
+    try:
+        got = from_json_file(SFTConfig, file)
+        event("valid")
+    except ConfigError as e:
+        assert str(file) in str(e)
+        event("ConfigError")
+    finally:
+        file.unlink()
+
+
+def test_impossible_layout_stops_the_cli_before_any_launch(monkeypatch, capsys):
+    import stages.launch
+    from flows.cli import main
+
+    def no_launch(*a, **k):
+        raise AssertionError("a process was launched")
+
+    monkeypatch.setattr(stages.launch, "launch_stage", no_launch)
+    assert main(["stage", "sft", "--set", "parallel.tp=3"]) == 2  # the default launcher: 2 ranks
+    assert "config error: parallel: world size 2 is not divisible" in capsys.readouterr().err
+    assert main(["config", "--set", "dpo.parallel.pp=4"]) == 2  # what `run` loads, without importing Prefect
+    assert "config error: dpo.parallel: world size 2" in capsys.readouterr().err
+    assert main(["config", "--set", "sft_teacher.output_dir=../../elsewhere"]) == 2
+    assert "sft_teacher.output_dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, where", [
+    ("name: a\nname: b\n", "duplicate key 'name'"),
+    ("a: " + "[" * 500 + "]" * 500, "not valid YAML: maximum recursion depth"),
+    ("a: " + "[" * 100 + "]" * 100, "nested more than 64 levels deep"),
+    ("sft_teacher:\n  max_steps: " + "9" * 5000, "not valid YAML"),
+    ("x: &a [1,1,1,1,1,1,1,1,1,1]\n" + "".join(f"x{i}: &a{i} [{', '.join(['*a' if i == 0 else f'*a{i - 1}'] * 10)}]\n"
+                                                for i in range(6)), "YAML aliases expanded"),
+])
+def test_hostile_yaml_shapes(text, where):
+    file = _write(text)
+    try:
+        with pytest.raises(ConfigError, match=where):
+            load_config(PipelineConfig, file)
+    finally:
+        file.unlink()
+
+
+def test_not_utf8_and_nul_bytes(tmp_path):
+    (tmp_path / "c.yaml").write_bytes(b"name: \xff\xfe")
+    with pytest.raises(ConfigError, match="c.yaml: not UTF-8 text"):
+        load_config(PipelineConfig, tmp_path / "c.yaml")
+    for item in ['sft_teacher.output_dir="a\\0b"', 'data_prep.sources=["x\\0"]', 'tracking.tags={"a": "b\\0"}']:
+        with pytest.raises(ConfigError, match="contains a NUL byte"):
+            load_config(PipelineConfig, overrides=[item])
+    with pytest.raises(ConfigError, match=r"sft_teacher.output_dir: is not valid Unicode \(a lone surrogate\)"):
+        load_config(PipelineConfig, overrides=['sft_teacher.output_dir="\\ud800\\udc00"'])
