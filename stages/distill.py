@@ -29,14 +29,14 @@ from core.data.encode import Document
 from core.data.packing import collate_padding_free
 from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk
 from core.loop import fit
-from core.manifest import digest, write_manifest
+from core.manifest import digest
 from core.model.generate import SamplingParams, generate
 from core.objectives import CHUNK, distill_objective
 from core.reliability import Reliability
 from core.trainer import LossOutput
 from stages.common import (Dist, StageError, close_distributed, init_distributed, load_model, parse_spec, progress,
                            stage_run)
-from stages.training import (DeviceLoader, build_policy, build_trainer, clear_checkpoints, doc_loader, export,
+from stages.training import (DeviceLoader, build_policy, build_trainer, doc_loader, finish,
                              mean_loss, sampling, sft_documents, to_device, total_steps)
 
 log = logging.getLogger("posttrain.distill")
@@ -219,18 +219,10 @@ def run(cfg: DistillConfig) -> dict:
                    "time/teacher_frac": timed.seconds / max(elapsed, 1e-9)}
         if isinstance(train, OnPolicyMix):
             metrics["on_policy/samples"] = train.samples
-        metrics = {k: v for k, v in metrics.items() if v is not None}
-        outputs = export(student, tok, cfg, out, d)
-        manifest = None
-        if d.is_main:
-            manifest = write_manifest(
-                out, "distill", outputs, metrics=metrics, config=cfg.model_dump(mode="json"),
-                inputs={"student": (upstream or {}).get("digest", cfg.model.name_or_path),
-                        "teacher": (teacher_manifest or {}).get("digest", cfg.teacher.name_or_path)},
-                extra={"mlflow_run_id": run_.run_id})
-            run_.log_metrics(metrics, step=trainer.step)
-            run_.log_artifact(str(out / "manifest.json"))
-        clear_checkpoints(out, d)
+        manifest = finish("distill", student, tok, cfg, out, d, run_, metrics,
+                          inputs={"student": (upstream or {}).get("digest", cfg.model.name_or_path),
+                                  "teacher": (teacher_manifest or {}).get("digest", cfg.teacher.name_or_path)},
+                          step=trainer.step)
     close_distributed()
     return manifest or {}
 

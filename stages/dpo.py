@@ -21,13 +21,13 @@ from core.config import DPOConfig
 from core.data.encode import PreferencePair
 from core.lora import disable_adapter
 from core.loop import fit
-from core.manifest import digest, write_manifest
+from core.manifest import digest
 from core.model.generate import SamplingParams, generate
 from core.objectives import dpo_objective, pair_logps
 from core.reliability import Reliability
 from core.tasks import verify
 from stages.common import Dist, StageError, close_distributed, init_distributed, parse_spec, progress, stage_run
-from stages.training import (DeviceLoader, build_policy, build_trainer, clear_checkpoints, data_shard, export,
+from stages.training import (DeviceLoader, build_policy, build_trainer, data_shard, finish,
                              pair_loader, preference_pairs, sampling, to_device, total_steps)
 
 log = logging.getLogger("posttrain.dpo")
@@ -176,16 +176,9 @@ def run(cfg: DPOConfig) -> dict:
         metrics = {"train/loss": last.get("loss"), "steps": trainer.step, "train_pairs": len(pairs),
                    **{k: v for k, v in last.items() if k.startswith("val/")},
                    **{f"{k}_initial": v for k, v in before.items()}}
-        metrics = {k: v for k, v in metrics.items() if v is not None}
-        outputs = export(model, tok, cfg, out, d)
-        manifest = None
-        if d.is_main:
-            manifest = write_manifest(out, "dpo", outputs, metrics=metrics, config=cfg.model_dump(mode="json"),
-                                      inputs={"model": (upstream or {}).get("digest", cfg.model.name_or_path)},
-                                      extra={"mlflow_run_id": run_.run_id})
-            run_.log_metrics(metrics, step=trainer.step)
-            run_.log_artifact(str(out / "manifest.json"))
-        clear_checkpoints(out, d)
+        manifest = finish("dpo", model, tok, cfg, out, d, run_, metrics,
+                          inputs={"model": (upstream or {}).get("digest", cfg.model.name_or_path)},
+                          step=trainer.step)
     close_distributed()
     return manifest or {}
 

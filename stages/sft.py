@@ -13,11 +13,10 @@ from pathlib import Path
 from core.checkpoint import CheckpointManager
 from core.config import SFTConfig
 from core.loop import fit
-from core.manifest import write_manifest
 from core.objectives import sft_objective
 from core.reliability import Reliability
 from stages.common import close_distributed, init_distributed, parse_spec, progress, stage_run
-from stages.training import (DeviceLoader, build_policy, build_trainer, clear_checkpoints, doc_loader, export,
+from stages.training import (DeviceLoader, build_policy, build_trainer, doc_loader, finish,
                              mean_loss, sft_documents, total_steps)
 
 log = logging.getLogger("posttrain.sft")
@@ -55,16 +54,9 @@ def run(cfg: SFTConfig) -> dict:
         metrics = {"train/loss": last.get("loss"), "val/loss": last.get("val/loss"),
                    "val/loss_initial": before.get("val/loss"), "steps": trainer.step,
                    "train/seconds": time.time() - t0}
-        metrics = {k: v for k, v in metrics.items() if v is not None}
-        outputs = export(model, tok, cfg, out, d)
-        manifest = None
-        if d.is_main:
-            manifest = write_manifest(out, "sft", outputs, metrics=metrics, config=cfg.model_dump(mode="json"),
-                                      inputs={"model": (upstream or {}).get("digest", cfg.model.name_or_path)},
-                                      extra={"mlflow_run_id": run_.run_id})
-            run_.log_metrics(metrics, step=trainer.step)
-            run_.log_artifact(str(out / "manifest.json"))
-        clear_checkpoints(out, d)
+        manifest = finish("sft", model, tok, cfg, out, d, run_, metrics,
+                          inputs={"model": (upstream or {}).get("digest", cfg.model.name_or_path)},
+                          step=trainer.step)
     close_distributed()
     return manifest or {}
 

@@ -299,6 +299,24 @@ def gathered_copy(model, cfg: TrainStageConfig) -> Transformer | None:
     return copy
 
 
+def finish(stage: str, model, tok, cfg: TrainStageConfig, out: Path, d, run_, metrics: dict[str, Any],
+           inputs: dict[str, str], step: int) -> dict | None:
+    """What every training stage does last: export the model, write the manifest (rank 0), log
+    the final metrics and the manifest to the stage's run, and drop the resume checkpoints."""
+    from core.manifest import write_manifest
+
+    metrics = {k: v for k, v in metrics.items() if v is not None}
+    outputs = export(model, tok, cfg, out, d)
+    manifest = None
+    if d.is_main:
+        manifest = write_manifest(out, stage, outputs, metrics=metrics, config=cfg.model_dump(mode="json"),
+                                  inputs=inputs, extra={"mlflow_run_id": run_.run_id})
+        run_.log_metrics(metrics, step=step)
+        run_.log_artifact(str(out / "manifest.json"))
+    clear_checkpoints(out, d)
+    return manifest
+
+
 def clear_checkpoints(out: Path, d: Dist) -> None:
     """Checkpoints are for resuming this stage; once its outputs are written they go."""
     if d.is_main:
