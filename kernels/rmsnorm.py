@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from kernels import _utils
 from kernels.dispatch import use_triton
@@ -199,9 +200,36 @@ torch.library.register_autograd("posttrain::add_rms_norm", AddRMSNormFunction.ba
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
     """Pure torch, the numerics of core.model.layers.RMSNorm (and of x + residual before it)."""
     h = x if residual is None else x + residual
-    hf = h.float()
+    hf = h.to(torch.promote_types(h.dtype, torch.float32))  # fp32 math, or fp64 for fp64 inputs
     y = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
     return y if residual is None else (y, h)
+
+
+class RMSNormTorchFunction(torch.autograd.Function):
+    """The reference's numerics in plain torch, for devices without the Triton kernel, with the
+    kernel's memory: saves x and rstd (one fp32 per row), where autograd through the reference
+    keeps x, the normalized x and rstd. Backward (xh = x * rstd, g = dy * weight in fp32):
+        dx = rstd * (g - xh * mean(g * xh)),   dweight = sum over rows of dy * xh."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        xh = x.to(rstd.dtype) * rstd
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            g = (dy * weight).to(rstd.dtype)
+            dx = (rstd * (g - xh * (g * xh).mean(-1, keepdim=True))).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (dy * xh.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        return dx, dw, None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
@@ -213,6 +241,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     inputs = (x, weight) if residual is None else (x, weight, residual)
     if (not use_triton(*inputs) or not _utils.supported(*inputs)
             or x.shape[-1] > _utils.MAX_FUSED_SIZE or x.numel() == 0):
+        if (residual is None and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+                and not torch.compiler.is_compiling()):  # compiled graphs fuse the reference themselves
+            return RMSNormTorchFunction.apply(x, weight, eps)
         return rms_norm_reference(x, weight, eps, residual)
     x2 = _utils.as_rows(x)
     if residual is None:

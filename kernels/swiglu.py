@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from kernels import _utils
 from kernels.dispatch import use_triton
@@ -126,11 +127,38 @@ def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+class SwiGLUTorchFunction(torch.autograd.Function):
+    """silu(gate) * up in plain torch for devices without the Triton kernel, saving only gate and
+    up (autograd through the reference also keeps silu(gate)). With s = sigmoid(gate):
+        dup = dy * gate * s,   dgate = dy * up * s * (1 + gate * (1 - s))."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        g = gate.to(torch.promote_types(gate.dtype, torch.float32))
+        s = torch.sigmoid(g)
+        dgate = dup = None
+        if ctx.needs_input_grad[0]:
+            dgate = (dy * up * (s * (1 + g * (1 - s)))).to(gate.dtype)
+        if ctx.needs_input_grad[1]:
+            dup = (dy * (g * s)).to(up.dtype)
+        return dgate, dup
+
+
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up for gate, up of the same shape (..., D)."""
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     if not use_triton(gate, up) or not _utils.supported(gate, up) or gate.numel() == 0:
+        if (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+                and not torch.compiler.is_compiling()):  # compiled graphs fuse the reference themselves
+            return SwiGLUTorchFunction.apply(gate, up)
         return swiglu_reference(gate, up)
     y = torch.ops.posttrain.swiglu(_utils.as_rows(gate), _utils.as_rows(up))
     return y.view(gate.shape)

@@ -5,6 +5,9 @@ applied from outside (core/parallel). Module names are our own; registry/hf.py m
 
 Packed sequences: when `position_ids` are given, a position that resets to 0 starts a new
 document, and attention never crosses documents (the convention of padding-free collators).
+Without padding, packed attention runs document by document (`DocumentSpans`): the varlen Triton
+kernel on GPUs, causal SDPA per run of equal-length documents elsewhere. Its cost is that of the
+documents alone, not of the (T x T) block-diagonal mask, which the mask path materializes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from core.model.args import ModelArgs
 from core.model.layers import MLP, RMSNorm
 from core.model.moe import MoE
 from core.model.rope import rope_cos_sin, rope_frequencies
+from kernels.dispatch import use_triton
+from kernels.flash_attention import flash_attn_varlen
 from kernels.rope import apply_rope
 
 
@@ -56,7 +61,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=args.o_bias)
 
-    def forward(self, x, cos, sin, mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask: "torch.Tensor | DocumentSpans | None",
+                cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Projections are reshaped by their own output size so that a tensor-parallel shard
         # (fewer local heads) runs this same code.
@@ -66,6 +72,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
+        if isinstance(mask, DocumentSpans):
+            return self.o_proj(document_attention(q, k, v, mask).view(B, T, -1))
         groups = q.shape[1] // k.shape[1]
         if groups > 1:  # GQA: each KV head serves `groups` query heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -109,6 +117,89 @@ def build_attention_mask(
     if q_docs is not None:
         allowed = allowed & (q_docs[:, :, None] == k_docs[:, None, :])
     return (allowed | (q == k))[:, None]
+
+
+@dataclass(frozen=True)
+class DocumentSpans:
+    """Where the documents of a packed batch lie, for attention that runs per document.
+
+    runs[b]: (start, length, count) = `count` consecutive documents of `length` tokens each from
+    token `start` of row b (packers emit equal lengths side by side, so a dense batch is one run
+    per row). cu_seqlens (int32, n_docs + 1) and max_len describe the same documents over the
+    flattened (B * T) tokens, the varlen kernels' layout."""
+
+    runs: tuple[tuple[tuple[int, int, int], ...], ...]
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> "DocumentSpans":
+        """A document starts at every position 0 and at the start of every row."""
+        B, T = position_ids.shape
+        starts = (position_ids == 0).clone()
+        starts[:, 0] = True
+        flat = starts.reshape(-1).nonzero().squeeze(1).tolist()  # one host sync per forward
+        bounds = flat + [B * T]
+        runs: list[list[tuple[int, int, int]]] = [[] for _ in range(B)]
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            row, start, length = s // T, s % T, e - s
+            row_runs = runs[row]
+            if row_runs and row_runs[-1][1] == length:
+                first, _, count = row_runs[-1]
+                row_runs[-1] = (first, length, count + 1)
+            else:
+                row_runs.append((start, length, 1))
+        cu = torch.tensor(bounds, dtype=torch.int32, device=position_ids.device)
+        return cls(tuple(tuple(r) for r in runs), cu, max(e - s for s, e in zip(bounds[:-1], bounds[1:])))
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: DocumentSpans) -> torch.Tensor:
+    """Causal attention inside each document of `spans`. q (B, H, T, hd), k/v (B, H_kv, T, hd)
+    (H a multiple of H_kv) -> (B, T, H, hd), contiguous."""
+    B, H, T, hd = q.shape
+    if use_triton(q, k, v):
+        # (B, H, T, hd) -> (B*T, H, hd): the varlen kernel's packed layout
+        flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], hd) for t in (q, k, v)]
+        return flash_attn_varlen(*flat, spans.cu_seqlens, spans.max_len).view(B, T, H, hd)
+    parts = []
+    for b, runs in enumerate(spans.runs):
+        for start, length, count in runs:
+            # `count` documents of `length` tokens side by side: one batched causal SDPA on views
+            qs, ks, vs = (t[b, :, start:start + length * count].unflatten(1, (count, length)).transpose(0, 1)
+                          for t in (q, k, v))
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=ks.shape[1] != H)
+            parts.append(out.transpose(1, 2).reshape(count * length, H, hd))  # a view where SDPA allows
+    return torch.cat(parts).view(B, T, H, hd)
+
+
+def attention_masks(
+    args: ModelArgs,
+    layers: list[int],
+    position_ids: torch.Tensor | None,
+    T: int,
+    start: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[int | None, torch.Tensor | DocumentSpans | None]:
+    """What Attention gets, per distinct sliding window among `layers`, for T queries from slot
+    `start` (a KV cache's length): None (plain causal, SDPA's fused path); DocumentSpans when
+    `position_ids` mark packed documents and nothing is padded; else a boolean mask.
+    position_ids here only for packed inputs (None when decoding)."""
+    packed = position_ids is not None
+    spans = DocumentSpans.from_position_ids(position_ids) if packed and attention_mask is None else None
+    masks: dict[int | None, torch.Tensor | DocumentSpans | None] = {}
+    for window in {args.window_of(i) for i in layers}:
+        if window is None and attention_mask is None and start == 0 and not packed:
+            masks[window] = None
+        elif spans is not None and (window is None or spans.max_len <= window):
+            masks[window] = spans  # a window no document reaches does not bite
+        else:
+            # Without a cache the queries are the keys, so one document-id tensor serves both.
+            docs = torch.cumsum(position_ids == 0, dim=1) if packed else None
+            slots = torch.arange(start, start + T, device=device)[None]
+            k_slots = torch.arange(start + T, device=device)[None]
+            masks[window] = build_attention_mask(slots, k_slots, attention_mask, docs, docs, window)
+    return masks
 
 
 class Transformer(nn.Module):
@@ -179,16 +270,8 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, self.rope_scale, x.dtype)
 
-        masks: dict[int | None, torch.Tensor | None] = {}
-        for window in {self.args.window_of(i) for i in range(len(self.layers))}:
-            if window is None and attention_mask is None and start == 0 and not packed:
-                masks[window] = None  # plain causal: SDPA's fused is_causal path
-                continue
-            # Without a cache the queries are the keys, so one document-id tensor serves both.
-            docs = torch.cumsum(position_ids == 0, dim=1) if packed else None
-            k_slots = torch.arange(start + T, device=device)[None]
-            masks[window] = build_attention_mask(slots, k_slots, attention_mask, docs, docs, window)
-
+        masks = attention_masks(self.args, list(range(len(self.layers))), position_ids if packed else None, T,
+                                start, attention_mask, device)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, masks[self.args.window_of(i)], cache)
         if cache is not None:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from core.config import ParallelConfig
-from core.model.model import Transformer, build_attention_mask
+from core.model.model import Transformer, attention_masks
 from core.model.moe import MoE
 from core.model.rope import rope_cos_sin
 from core.parallel.mesh import ParallelMesh
@@ -81,14 +81,9 @@ class PipelineStageModule(nn.Module):
             from core.parallel.context import cp_batch
 
             self.cp_state["batch"] = cp_batch(position_ids, T, self.cp_group)
-        docs = torch.cumsum(position_ids == 0, dim=1) if packed else None
-        masks: dict = {}
+        masks = attention_masks(self.args, [int(name) for name in self.layers], position_ids, T, device=x.device)
         for name, layer in self.layers.items():
-            window = self.args.window_of(int(name))
-            if window not in masks:
-                plain = window is None and not packed
-                masks[window] = None if plain else build_attention_mask(slots, slots, None, docs, docs, window)
-            x = layer(x, cos, sin, masks[window])
+            x = layer(x, cos, sin, masks[self.args.window_of(int(name))])
             aux = [m.aux_loss * m.args.aux_loss_coef for m in layer.modules()
                    if isinstance(m, MoE) and m.aux_loss is not None and m.aux_loss.requires_grad]
             if aux and torch.is_grad_enabled():
