@@ -158,16 +158,24 @@ class LoRALinear(nn.Module):
             dense = self._dense(xd)
         return base + (mag - 1) * dense + mag * lora
 
+    def plain_lora(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None:
+        """(weight, bias, A, B, scale) in the common case, one active adapter and nothing else
+        (no merge, routing, quantized base, DoRA or training-time dropout): then forward is
+        kernels.lora.lora_linear(x, *these), which a caller may fuse with what produces x."""
+        name = self.active_adapter
+        if (name is None or self.disabled or self.merged or self.routing is not None or self.quantized
+                or name in self.lora_magnitude or (self.training and self.configs[name]["dropout"] > 0)):
+            return None
+        return self.weight, self.bias, self.lora_A[name], self.lora_B[name], self.scaling[name]
+
     def forward(self, x: torch.Tensor, adapter_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x: (..., in). adapter_ids: (B,) indices into `self.adapters` (len(adapters) = none)."""
-        name = self.active_adapter
-        if (name is not None and not self.disabled and not self.merged and adapter_ids is None
-                and self.routing is None and not self.quantized and name not in self.lora_magnitude
-                and not (self.training and self.configs[name]["dropout"] > 0)):
-            # The common case, plain LoRA: base and low-rank path in one fused op (Triton on GPUs).
+        plain = self.plain_lora() if adapter_ids is None else None
+        if plain is not None:
+            # The common case: base and low-rank path in one fused op (Triton on GPUs).
             from kernels.lora import lora_linear
 
-            return lora_linear(x, self.weight, self.bias, self.lora_A[name], self.lora_B[name], self.scaling[name])
+            return lora_linear(x, *plain)
         base = self._dense(x)
         if self.bias is not None:
             base = base + self.bias

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from kernels import _utils
 from kernels.dispatch import use_triton
@@ -308,15 +309,110 @@ def _check(x, weight, bias, lora_a, lora_b, n_dims):
                          f"{'(n, ' if n_dims == 3 else '('}r, in), {'(n, ' if n_dims == 3 else '('}out, r)")
 
 
+def _lora_fwd_torch(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
+                    scale: float) -> tuple[Tensor, Tensor]:
+    """x (N, in) -> (x W^T + b + s (x A^T) B^T, x A^T): the low-rank term added in place."""
+    y = F.linear(x, weight, bias)
+    xa = x @ lora_a.T
+    return y.addmm_(xa, lora_b.T, alpha=scale), xa
+
+
+def _lora_bwd_torch(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, xa: Tensor,
+                    scale: float, need_x: bool) -> tuple[Tensor | None, Tensor, Tensor]:
+    """dx = dy W + s (dy B) A,  dA = s (dy B)^T x,  dB = s dy^T (x A^T); dy, x (N, *) 2-D."""
+    dyb = dy @ lora_b
+    dx = (dy @ weight).addmm_(dyb, lora_a, alpha=scale) if need_x else None
+    return dx, (dyb.T @ x).mul_(scale), (dy.T @ xa).mul_(scale)
+
+
+class LoRALinearTorchFunction(torch.autograd.Function):
+    """lora_linear in plain torch where the Triton kernel does not run: the kernel's saved state
+    (x and the rank-r x A^T) and in-place accumulation of the low-rank terms, where autograd
+    through the reference adds two more (N, out) passes each way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scale):
+        x2 = x.reshape(-1, x.shape[-1])
+        y, xa = _lora_fwd_torch(x2, weight, bias, lora_a, lora_b, scale)
+        ctx.save_for_backward(x2, weight, lora_a, lora_b, xa)
+        ctx.scale, ctx.x_shape = scale, x.shape
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x2, weight, lora_a, lora_b, xa = ctx.saved_tensors
+        dx, da, db = _lora_bwd_torch(dy.reshape(-1, dy.shape[-1]), x2, weight, lora_a, lora_b, xa, ctx.scale,
+                                     ctx.needs_input_grad[0])
+        return None if dx is None else dx.view(ctx.x_shape), None, None, da, db, None
+
+
+class SwiGLULoRALinearTorchFunction(torch.autograd.Function):
+    """lora_linear(silu(gate) * up, ...): a LoRA down projection fed by SwiGLU, saving gate and up
+    only. The product h, which the projection's low-rank gradient needs (dA = s (dy B)^T h), is
+    recomputed in backward from gate and up (elementwise, no matmul), so the MLP keeps 2 of its
+    3 intermediate-sized activations."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scale):
+        g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+        y, xa = _lora_fwd_torch(F.silu(g2) * u2, weight, bias, lora_a, lora_b, scale)
+        ctx.save_for_backward(g2, u2, weight, lora_a, lora_b, xa)
+        ctx.scale, ctx.in_shape = scale, gate.shape
+        return y.view(*gate.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        g2, u2, weight, lora_a, lora_b, xa = ctx.saved_tensors
+        gf = g2.to(torch.promote_types(g2.dtype, torch.float32))
+        sig = torch.sigmoid(gf)
+        silu = gf * sig
+        h = (silu * u2).to(g2.dtype)  # the forward's product, recomputed
+        dh, da, db = _lora_bwd_torch(dy.reshape(-1, dy.shape[-1]), h, weight, lora_a, lora_b, xa, ctx.scale,
+                                     ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        dgate = dup = None
+        if dh is not None:
+            dgate = (dh * u2 * (sig * (1 + gf * (1 - sig)))).to(g2.dtype).view(ctx.in_shape)
+            dup = (dh * silu).to(u2.dtype).view(ctx.in_shape)
+        return dgate, dup, None, None, da, db, None
+
+
+def _lean_torch_path(x: Tensor, lora_a: Tensor, lora_b: Tensor) -> bool:
+    # The custom Functions pay off in eager autograd; compiled graphs and inference use the reference.
+    return (torch.is_grad_enabled() and (x.requires_grad or lora_a.requires_grad or lora_b.requires_grad)
+            and not torch.compiler.is_compiling())
+
+
 def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
                 scale: float) -> Tensor:
     """x W^T + b + scale * (x A^T) B^T. x (..., in), weight (out, in) frozen, bias (out,) or
     None, lora_a (r, in), lora_b (out, r). Gradients flow to x, lora_a and lora_b."""
     _check(x, weight, bias, lora_a, lora_b, 2)
     if not _use_kernel(x, weight, bias, lora_a, lora_b):
+        frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
+        if frozen and x.numel() and _lean_torch_path(x, lora_a, lora_b):
+            return LoRALinearTorchFunction.apply(x, weight, bias, lora_a, lora_b, float(scale))
         return lora_linear_reference(x, weight, bias, lora_a, lora_b, scale)
     y, _ = torch.ops.posttrain.lora_linear(_utils.as_rows(x), weight, bias, lora_a, lora_b, float(scale))
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def swiglu_lora_linear(gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor,
+                       lora_b: Tensor, scale: float) -> Tensor:
+    """lora_linear(silu(gate) * up, weight, bias, lora_a, lora_b, scale): an MLP's SwiGLU and its
+    LoRA down projection. The Triton kernels where they run; elsewhere, in training, one torch
+    Function that does not keep the (N, intermediate) product for backward."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu_lora_linear: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    _check(gate, weight, bias, lora_a, lora_b, 2)
+    frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
+    wants_grad = _lean_torch_path(gate, lora_a, lora_b) or _lean_torch_path(up, lora_a, lora_b)
+    if frozen and wants_grad and gate.numel() and not use_triton(gate, up, weight, lora_a, lora_b):
+        return SwiGLULoRALinearTorchFunction.apply(gate, up, weight, bias, lora_a, lora_b, float(scale))
+    from kernels.swiglu import swiglu
+
+    return lora_linear(swiglu(gate, up), weight, bias, lora_a, lora_b, scale)
 
 
 def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,

@@ -1,5 +1,4 @@
-"""Packed attention per document (DocumentSpans) and the memory-lean torch autograd paths of
-RMSNorm and SwiGLU, against the mask path and the autograd-through-reference implementations."""
+"""Packed attention per document (DocumentSpans) against the block-diagonal mask path."""
 
 from __future__ import annotations
 
@@ -8,8 +7,6 @@ import torch
 
 from core.model.args import ModelArgs
 from core.model.model import DocumentSpans, attention_masks, build_attention_mask, build_model, document_attention
-from kernels.rmsnorm import RMSNormTorchFunction, rms_norm, rms_norm_reference
-from kernels.swiglu import SwiGLUTorchFunction, swiglu, swiglu_reference
 
 
 def _positions(*rows: list[int]) -> torch.Tensor:
@@ -78,77 +75,3 @@ def test_model_packed_forward_and_grads_match_mask_path(window):
     assert g_spans.keys() == g_mask.keys() and len(g_mask) > 10
     for name in g_mask:
         torch.testing.assert_close(g_spans[name], g_mask[name], rtol=1e-9, atol=1e-10, msg=name)
-
-
-# ------------------------------------------------------------------ lean torch autograd paths
-
-
-@pytest.mark.parametrize("shape", [(3, 5, 33), (1, 1), (7, 256)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_torch_function_matches_reference(shape, dtype):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=g).to(dtype).requires_grad_()
-    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).requires_grad_()
-    dy = torch.randn(shape, generator=g).to(dtype)
-    got = rms_norm(x, w, 1e-6)
-    assert got.grad_fn.name().endswith("RMSNormTorchFunctionBackward")
-    ref = rms_norm_reference(x, w, 1e-6)
-    assert torch.equal(got, ref)  # same forward ops in the same order
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    for a, b in zip(torch.autograd.grad(got, (x, w), dy), torch.autograd.grad(ref, (x, w), dy)):
-        torch.testing.assert_close(a, b, **tol)
-
-
-def test_rms_norm_torch_function_gradcheck_and_frozen_weight():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 9, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(9, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: RMSNormTorchFunction.apply(a, b, 1e-6), (x, w))
-    w.requires_grad_(False)  # LoRA: the norm weight is frozen, only dx is computed
-    out = rms_norm(x, w, 1e-6)
-    (dx,) = torch.autograd.grad(out.sum(), (x,))
-    (ref,) = torch.autograd.grad(rms_norm_reference(x, w, 1e-6).sum(), (x,))
-    torch.testing.assert_close(dx, ref)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_torch_function_matches_reference(dtype):
-    g = torch.Generator().manual_seed(0)
-    gate = (3 * torch.randn(5, 7, 41, generator=g)).to(dtype).requires_grad_()
-    up = torch.randn(5, 7, 41, generator=g).to(dtype).requires_grad_()
-    dy = torch.randn(5, 7, 41, generator=g).to(dtype)
-    got = swiglu(gate, up)
-    assert got.grad_fn.name().endswith("SwiGLUTorchFunctionBackward")
-    ref = swiglu_reference(gate, up)
-    assert torch.equal(got, ref)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    for a, b in zip(torch.autograd.grad(got, (gate, up), dy), torch.autograd.grad(ref, (gate, up), dy)):
-        torch.testing.assert_close(a, b, **tol)
-    gate64 = torch.randn(3, 6, dtype=torch.float64, generator=g, requires_grad=True)
-    up64 = torch.randn(3, 6, dtype=torch.float64, generator=g, requires_grad=True)
-    assert torch.autograd.gradcheck(SwiGLUTorchFunction.apply, (gate64, up64))
-
-
-def test_lean_functions_save_less_than_the_reference():
-    """What autograd keeps for backward, in bytes of distinct storages: the point of the lean paths."""
-
-    def saved_bytes(fn, *inputs):
-        seen: dict[int, int] = {}
-
-        def pack(t):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = fn(*inputs)
-        return out, sum(seen.values())
-
-    x = torch.randn(64, 256, requires_grad=True)
-    w = torch.ones(256, requires_grad=True)
-    _, lean = saved_bytes(lambda a, b: rms_norm(a, b, 1e-6), x, w)
-    _, ref = saved_bytes(lambda a, b: rms_norm_reference(a, b, 1e-6), x, w)
-    assert lean < ref and lean <= x.nbytes + w.nbytes + 64 * 4
-    gate, up = torch.randn(64, 256, requires_grad=True), torch.randn(64, 256, requires_grad=True)
-    _, lean = saved_bytes(swiglu, gate, up)
-    _, ref = saved_bytes(swiglu_reference, gate, up)
-    assert lean == gate.nbytes + up.nbytes < ref

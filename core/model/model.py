@@ -169,7 +169,8 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans:
                           for t in (q, k, v))
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=ks.shape[1] != H)
             parts.append(out.transpose(1, 2).reshape(count * length, H, hd))  # a view where SDPA allows
-    return torch.cat(parts).view(B, T, H, hd)
+    # One run (a dense row): SDPA's own output, so o_proj saves the tensor SDPA saves, not a copy
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(B, T, H, hd)
 
 
 def attention_masks(
