@@ -37,6 +37,7 @@ from torch.autograd.function import once_differentiable
 
 from kernels import _utils
 from kernels.dispatch import use_triton
+from kernels.swiglu import swiglu, swiglu_backward_torch
 
 LAUNCHES = _utils.counter()
 # Tile caps; module-level so tests can shrink them and cover several tiles on tiny shapes.
@@ -365,17 +366,17 @@ class SwiGLULoRALinearTorchFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         g2, u2, weight, lora_a, lora_b, xa = ctx.saved_tensors
-        gf = g2.to(torch.promote_types(g2.dtype, torch.float32))
-        sig = torch.sigmoid(gf)
-        silu = gf * sig
-        h = (silu * u2).to(g2.dtype)  # the forward's product, recomputed
+        silu = F.silu(g2)
+        h = silu * u2  # the forward's product, recomputed
+        need_gate, need_up = ctx.needs_input_grad[:2]
         dh, da, db = _lora_bwd_torch(dy.reshape(-1, dy.shape[-1]), h, weight, lora_a, lora_b, xa, ctx.scale,
-                                     ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+                                     need_gate or need_up)
+        del h
         dgate = dup = None
         if dh is not None:
-            dgate = (dh * u2 * (sig * (1 + gf * (1 - sig)))).to(g2.dtype).view(ctx.in_shape)
-            dup = (dh * silu).to(u2.dtype).view(ctx.in_shape)
-        return dgate, dup, None, None, da, db, None
+            dgate, dup = swiglu_backward_torch(dh, g2, u2, need_gate, need_up, silu)
+        return (None if dgate is None else dgate.view(ctx.in_shape), None if dup is None else dup.view(ctx.in_shape),
+                None, None, da, db, None)
 
 
 def _lean_torch_path(x: Tensor, lora_a: Tensor, lora_b: Tensor) -> bool:
@@ -410,8 +411,6 @@ def swiglu_lora_linear(gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | 
     wants_grad = _lean_torch_path(gate, lora_a, lora_b) or _lean_torch_path(up, lora_a, lora_b)
     if frozen and wants_grad and gate.numel() and not use_triton(gate, up, weight, lora_a, lora_b):
         return SwiGLULoRALinearTorchFunction.apply(gate, up, weight, bias, lora_a, lora_b, float(scale))
-    from kernels.swiglu import swiglu
-
     return lora_linear(swiglu(gate, up), weight, bias, lora_a, lora_b, scale)
 
 

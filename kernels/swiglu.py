@@ -130,7 +130,7 @@ def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
 class SwiGLUTorchFunction(torch.autograd.Function):
     """silu(gate) * up in plain torch for devices without the Triton kernel, saving only gate and
     up (autograd through the reference also keeps silu(gate)). With s = sigmoid(gate):
-        dup = dy * gate * s,   dgate = dy * up * s * (1 + gate * (1 - s))."""
+        dup = dy * gate * s,   dgate = dy * up * s * (1 + gate * (1 - s))  (aten's silu_backward)."""
 
     @staticmethod
     def forward(ctx, gate, up):
@@ -141,14 +141,18 @@ class SwiGLUTorchFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        g = gate.to(torch.promote_types(gate.dtype, torch.float32))
-        s = torch.sigmoid(g)
-        dgate = dup = None
-        if ctx.needs_input_grad[0]:
-            dgate = (dy * up * (s * (1 + g * (1 - s)))).to(gate.dtype)
-        if ctx.needs_input_grad[1]:
-            dup = (dy * (g * s)).to(up.dtype)
-        return dgate, dup
+        return swiglu_backward_torch(dy, gate, up, *ctx.needs_input_grad[:2])
+
+
+def swiglu_backward_torch(dy: Tensor, gate: Tensor, up: Tensor, need_gate: bool = True, need_up: bool = True,
+                          silu: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """(dgate, dup) of silu(gate) * up in torch's fused ops: dup = dy * silu(gate), dgate =
+    silu'(gate) * (dy * up) via aten's silu_backward. `silu`: silu(gate) if already at hand."""
+    dgate = torch.ops.aten.silu_backward(dy * up, gate) if need_gate else None
+    dup = None
+    if need_up:
+        dup = dy * (F.silu(gate) if silu is None else silu)
+    return dgate, dup
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
