@@ -153,6 +153,7 @@ class DocumentSpans:
         return cls(tuple(tuple(r) for r in runs), cu, max(e - s for s, e in zip(bounds[:-1], bounds[1:])))
 
 
+@torch.compiler.disable  # runs eagerly inside compiled blocks: traced, each new layout would recompile
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: DocumentSpans) -> torch.Tensor:
     """Causal attention inside each document of `spans`. q (B, H, T, hd), k/v (B, H_kv, T, hd)
     (H a multiple of H_kv) -> (B, T, H, hd), contiguous."""
