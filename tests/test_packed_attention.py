@@ -75,3 +75,22 @@ def test_model_packed_forward_and_grads_match_mask_path(window):
     assert g_spans.keys() == g_mask.keys() and len(g_mask) > 10
     for name in g_mask:
         torch.testing.assert_close(g_spans[name], g_mask[name], rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_compiled_blocks_do_not_recompile_per_packing_layout():
+    """Every batch packs differently; document_attention runs eagerly inside a compiled block, so
+    the layout (a Python object) never becomes a guard that forces a recompile."""
+    import torch._dynamo.testing
+
+    model = _model()
+    counter = torch._dynamo.testing.CompileCounter()
+    for block in model.layers:
+        block.compile(backend=counter)
+    frames = []
+    for lengths in ([5, 7, 4], [5, 7, 4], [3, 3, 10], [2, 9, 2, 3]):
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        ids = torch.randint(0, 101, pos.shape, generator=torch.Generator().manual_seed(len(lengths)))
+        model.hidden_states(ids, pos).sum().backward()
+        frames.append(counter.frame_count)
+    torch._dynamo.reset()
+    assert frames[0] > 0 and len(set(frames)) == 1, frames
