@@ -159,7 +159,7 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore
     hidden (N..., H), weight (V, H) (the lm_head), labels (N...). Peak extra memory is about two
     (chunk_size, V) fp32 buffers plus a (V, H) fp32 grad accumulator, instead of (tokens, V).
     mean divides by the number of scored tokens; `none` returns (N...) with ignored tokens at 0.
-    mean and sum run the head on the scored tokens only (one host sync to find them).
+    The head runs on the scored tokens only (one host sync to find them).
     """
     _check_choice("reduction", reduction, REDUCTIONS)
     if hidden.shape[:-1] != labels.shape or hidden.shape[-1] != weight.shape[-1]:
@@ -172,13 +172,18 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore
     keep = labels != ignore_index
     target = torch.where(keep, labels, 0)
     h2, target, keep = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1), keep.reshape(-1)
-    if reduction != "none" and not bool(keep.all()):
-        # A reduced loss needs the head only where a label is scored (prompts are often half of
-        # SFT tokens): gather those rows (their gradient scatters back through index_select).
+    rows = None
+    if not bool(keep.all()):
+        # The head is needed only where a label is scored (prompts are often half of SFT and DPO
+        # tokens): gather those rows; gradients scatter back through index_select / index_copy.
         rows = keep.nonzero().squeeze(1)
         h2, target, keep = h2.index_select(0, rows), target[rows], keep[rows]
     out = _ChunkedCrossEntropy.apply(h2, weight, target, keep, chunk_size, reduction, softcap, torch.is_grad_enabled())
-    return out.view(labels.shape) if reduction == "none" else out
+    if reduction != "none":
+        return out
+    if rows is not None:
+        out = out.new_zeros(labels.numel()).index_copy(0, rows, out)
+    return out.view(labels.shape)
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX, reduction: str = "mean",

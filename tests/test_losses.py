@@ -213,6 +213,24 @@ def test_chunked_ce_under_no_grad_skips_gradient_work():
     assert tuple(weight.shape) not in evaluation.shapes
 
 
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_chunked_ce_runs_the_head_on_scored_tokens_only(reduction):
+    """Prompt positions (label ignored) get no lm_head work: every logits chunk, forward and
+    backward, has as many rows as there are scored tokens, not tokens."""
+    hidden, weight, labels = make_ce_inputs(B=2, S=40, H=16)
+    labels[:, :30] = IGN  # a long prompt
+    scored = int((shifted(labels) != IGN).sum())
+    with Shapes() as mode:
+        out = L.chunked_cross_entropy(hidden, weight, labels, chunk_size=1024, reduction=reduction)
+        grads(out, (hidden, weight), upstream(reduction, labels.shape))
+    H = hidden.shape[-1]
+    vocab_rows = {shape[0] for shape in mode.shapes if len(shape) == 2 and shape[1] == V and shape != (H, V)}
+    assert scored != H and vocab_rows == {scored}, (vocab_rows, scored)  # (H, V): weight.T
+    ref = F.cross_entropy((hidden @ weight.T).view(-1, V), shifted(labels).view(-1), ignore_index=IGN,
+                          reduction=reduction)
+    torch.testing.assert_close(out, ref.view(labels.shape) if reduction == "none" else ref, **F32)
+
+
 def test_token_and_sequence_logps():
     hidden, weight, labels = make_ce_inputs(dtype=torch.float64)
     naive_tok = -naive_ce(hidden, weight, labels, "none")
