@@ -319,11 +319,14 @@ def _lora_fwd_torch(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tens
 
 
 def _lora_bwd_torch(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, xa: Tensor,
-                    scale: float, need_x: bool) -> tuple[Tensor | None, Tensor, Tensor]:
+                    scale: float, need_x: bool, need_a: bool = True, need_b: bool = True
+                    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """dx = dy W + s (dy B) A,  dA = s (dy B)^T x,  dB = s dy^T (x A^T); dy, x (N, *) 2-D."""
-    dyb = dy @ lora_b
+    dyb = dy @ lora_b if need_x or need_a else None
     dx = (dy @ weight).addmm_(dyb, lora_a, alpha=scale) if need_x else None
-    return dx, (dyb.T @ x).mul_(scale), (dy.T @ xa).mul_(scale)
+    da = (dyb.T @ x).mul_(scale) if need_a else None
+    db = (dy.T @ xa).mul_(scale) if need_b else None
+    return dx, da, db
 
 
 class LoRALinearTorchFunction(torch.autograd.Function):
@@ -343,8 +346,9 @@ class LoRALinearTorchFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x2, weight, lora_a, lora_b, xa = ctx.saved_tensors
+        need = ctx.needs_input_grad
         dx, da, db = _lora_bwd_torch(dy.reshape(-1, dy.shape[-1]), x2, weight, lora_a, lora_b, xa, ctx.scale,
-                                     ctx.needs_input_grad[0])
+                                     need[0], need[3], need[4])
         return None if dx is None else dx.view(ctx.x_shape), None, None, da, db, None
 
 
@@ -370,7 +374,7 @@ class SwiGLULoRALinearTorchFunction(torch.autograd.Function):
         h = silu * u2  # the forward's product, recomputed
         need_gate, need_up = ctx.needs_input_grad[:2]
         dh, da, db = _lora_bwd_torch(dy.reshape(-1, dy.shape[-1]), h, weight, lora_a, lora_b, xa, ctx.scale,
-                                     need_gate or need_up)
+                                     need_gate or need_up, *ctx.needs_input_grad[4:6])
         del h
         dgate = dup = None
         if dh is not None:
@@ -380,9 +384,10 @@ class SwiGLULoRALinearTorchFunction(torch.autograd.Function):
 
 
 def _lean_torch_path(x: Tensor, lora_a: Tensor, lora_b: Tensor) -> bool:
-    # The custom Functions pay off in eager autograd; compiled graphs and inference use the reference.
+    # The custom Functions pay off in eager autograd; compiled graphs, inference and autocast
+    # regions (whose per-op casts the in-place accumulation would bypass) use the reference.
     return (torch.is_grad_enabled() and (x.requires_grad or lora_a.requires_grad or lora_b.requires_grad)
-            and not torch.compiler.is_compiling())
+            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type))
 
 
 def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,

@@ -187,3 +187,28 @@ def test_mlp_fuses_only_a_plain_lora_down_projection():
     w = lambda m: m.weight  # noqa: E731
     torch.testing.assert_close(base, torch.nn.functional.linear(
         swiglu_reference(x @ w(mlp.gate_proj).T, x @ w(mlp.up_proj).T), w(mlp.down_proj)))
+
+
+def test_lora_under_autocast_takes_the_reference():
+    """Autocast casts per op; the Function's in-place accumulation would mix dtypes, so autocast
+    regions run the reference (same result as peft-style autograd under autocast)."""
+    x, w, b, a, bb = _lora_inputs((4, 16), 8, 2, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lora_linear(x, w, b, a, bb, 1.0)
+        fused = swiglu_lora_linear(x, x * 2, w, b, a, bb, 1.0)
+        ref = lora_linear_reference(x, w, b, a, bb, 1.0)
+    assert got.dtype == torch.bfloat16 and not got.grad_fn.name().startswith("LoRALinearTorchFunction")
+    assert not fused.grad_fn.name().startswith("SwiGLULoRALinearTorchFunction")
+    torch.testing.assert_close(got, ref)
+    got.float().sum().backward()
+    assert a.grad is not None and bb.grad is not None
+
+
+def test_lora_function_skips_gradients_nobody_needs():
+    x, w, b, a, bb = _lora_inputs((5, 12), 6, 3, torch.float32)
+    bb.requires_grad_(False)  # e.g. a frozen second adapter factor
+    out = LoRALinearTorchFunction.apply(x, w, b, a, bb, 0.5)
+    gx, ga = torch.autograd.grad(out.sum(), (x, a))
+    rx, ra = torch.autograd.grad(lora_linear_reference(x, w, b, a, bb, 0.5).sum(), (x, a))
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(ga, ra)
