@@ -158,15 +158,17 @@ class LoRALinear(nn.Module):
             dense = self._dense(xd)
         return base + (mag - 1) * dense + mag * lora
 
-    def plain_lora(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None:
-        """(weight, bias, A, B, scale) in the common case, one active adapter and nothing else
-        (no merge, routing, quantized base, DoRA or training-time dropout): then forward is
-        kernels.lora.lora_linear(x, *these), which a caller may fuse with what produces x."""
+    def plain_lora(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float, float] | None:
+        """(weight, bias, A, B, scale, dropout) in the common case, one active adapter and nothing
+        else (no merge, routing, quantized base or DoRA); dropout is 0 outside training. Then
+        forward is kernels.lora.lora_linear(x, *these), which a caller may fuse with what
+        produces x."""
         name = self.active_adapter
         if (name is None or self.disabled or self.merged or self.routing is not None or self.quantized
-                or name in self.lora_magnitude or (self.training and self.configs[name]["dropout"] > 0)):
+                or name in self.lora_magnitude):
             return None
-        return self.weight, self.bias, self.lora_A[name], self.lora_B[name], self.scaling[name]
+        dropout = self.configs[name]["dropout"] if self.training else 0.0
+        return self.weight, self.bias, self.lora_A[name], self.lora_B[name], self.scaling[name], dropout
 
     def forward(self, x: torch.Tensor, adapter_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x: (..., in). adapter_ids: (B,) indices into `self.adapters` (len(adapters) = none)."""

@@ -277,9 +277,11 @@ torch.library.register_autograd("posttrain::lora_linear_multi", LoRALinearMultiF
                                 setup_context=LoRALinearMultiFunction.setup_context)
 
 
-def lora_linear_reference(x, weight, bias, lora_a, lora_b, scale):
-    """What core.lora.LoRALinear computes for one adapter without dropout."""
-    return F.linear(x, weight, bias) + scale * F.linear(F.linear(x, lora_a), lora_b)
+def lora_linear_reference(x, weight, bias, lora_a, lora_b, scale, dropout: float = 0.0):
+    """What core.lora.LoRALinear computes for one adapter (dropout: training-time, on the
+    low-rank path's input, as peft applies lora_dropout)."""
+    xd = F.dropout(x, dropout) if dropout > 0 else x
+    return F.linear(x, weight, bias) + scale * F.linear(F.linear(xd, lora_a), lora_b)
 
 
 def lora_linear_multi_reference(x, weight, bias, lora_a, lora_b, scales, adapter_ids):
@@ -310,21 +312,40 @@ def _check(x, weight, bias, lora_a, lora_b, n_dims):
                          f"{'(n, ' if n_dims == 3 else '('}r, in), {'(n, ' if n_dims == 3 else '('}out, r)")
 
 
+def _dropout_mask(x: Tensor, p: float) -> Tensor | None:
+    """Which elements of x the LoRA path keeps (bool, 1 byte each), or None without dropout."""
+    return torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p) if p > 0 else None
+
+
+def _dropped(x: Tensor, keep: Tensor | None, p: float) -> Tensor:
+    """Inverted dropout with a given mask: x * keep / (1 - p); x itself without a mask."""
+    return x if keep is None else (x * keep).mul_(1 / (1 - p))
+
+
 def _lora_fwd_torch(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
-                    scale: float) -> tuple[Tensor, Tensor]:
-    """x (N, in) -> (x W^T + b + s (x A^T) B^T, x A^T): the low-rank term added in place."""
+                    scale: float, xd: Tensor) -> tuple[Tensor, Tensor]:
+    """x (N, in) -> (x W^T + b + s (xd A^T) B^T, xd A^T), the low-rank term added in place;
+    xd is x or its dropped-out copy (the low-rank path's input)."""
     y = F.linear(x, weight, bias)
-    xa = x @ lora_a.T
+    xa = xd @ lora_a.T
     return y.addmm_(xa, lora_b.T, alpha=scale), xa
 
 
-def _lora_bwd_torch(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, xa: Tensor,
-                    scale: float, need_x: bool, need_a: bool = True, need_b: bool = True
+def _lora_bwd_torch(dy: Tensor, xd: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, xa: Tensor,
+                    scale: float, needs: tuple[bool, bool, bool], keep: Tensor | None = None, p: float = 0.0
                     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """dx = dy W + s (dy B) A,  dA = s (dy B)^T x,  dB = s dy^T (x A^T); dy, x (N, *) 2-D."""
+    """dx = dy W + s drop((dy B) A),  dA = s (dy B)^T xd,  dB = s dy^T (xd A^T), for the needed
+    ones of (x, A, B); dy, xd (N, *) 2-D; drop() applies the forward's mask."""
+    need_x, need_a, need_b = needs
     dyb = dy @ lora_b if need_x or need_a else None
-    dx = (dy @ weight).addmm_(dyb, lora_a, alpha=scale) if need_x else None
-    da = (dyb.T @ x).mul_(scale) if need_a else None
+    dx = None
+    if need_x:
+        dx = dy @ weight
+        if keep is None:
+            dx.addmm_(dyb, lora_a, alpha=scale)
+        else:
+            dx.add_(_dropped(dyb @ lora_a, keep, p), alpha=scale)
+    da = (dyb.T @ xd).mul_(scale) if need_a else None
     db = (dy.T @ xa).mul_(scale) if need_b else None
     return dx, da, db
 
@@ -332,55 +353,59 @@ def _lora_bwd_torch(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_
 class LoRALinearTorchFunction(torch.autograd.Function):
     """lora_linear in plain torch where the Triton kernel does not run: the kernel's saved state
     (x and the rank-r x A^T) and in-place accumulation of the low-rank terms, where autograd
-    through the reference adds two more (N, out) passes each way."""
+    through the reference adds two more (N, out) passes each way. With dropout p, the low-rank
+    path sees x * keep / (1 - p) and only the boolean mask is kept for backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scale):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scale, p=0.0):
         x2 = x.reshape(-1, x.shape[-1])
-        y, xa = _lora_fwd_torch(x2, weight, bias, lora_a, lora_b, scale)
-        ctx.save_for_backward(x2, weight, lora_a, lora_b, xa)
-        ctx.scale, ctx.x_shape = scale, x.shape
+        keep = _dropout_mask(x2, p)
+        y, xa = _lora_fwd_torch(x2, weight, bias, lora_a, lora_b, scale, _dropped(x2, keep, p))
+        ctx.save_for_backward(x2, weight, lora_a, lora_b, xa, keep)
+        ctx.scale, ctx.p, ctx.x_shape = scale, p, x.shape
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        x2, weight, lora_a, lora_b, xa = ctx.saved_tensors
+        x2, weight, lora_a, lora_b, xa, keep = ctx.saved_tensors
         need = ctx.needs_input_grad
-        dx, da, db = _lora_bwd_torch(dy.reshape(-1, dy.shape[-1]), x2, weight, lora_a, lora_b, xa, ctx.scale,
-                                     need[0], need[3], need[4])
-        return None if dx is None else dx.view(ctx.x_shape), None, None, da, db, None
+        dx, da, db = _lora_bwd_torch(dy.reshape(-1, dy.shape[-1]), _dropped(x2, keep, ctx.p), weight, lora_a,
+                                     lora_b, xa, ctx.scale, (need[0], need[3], need[4]), keep, ctx.p)
+        return None if dx is None else dx.view(ctx.x_shape), None, None, da, db, None, None
 
 
 class SwiGLULoRALinearTorchFunction(torch.autograd.Function):
     """lora_linear(silu(gate) * up, ...): a LoRA down projection fed by SwiGLU, saving gate and up
     only. The product h, which the projection's low-rank gradient needs (dA = s (dy B)^T h), is
     recomputed in backward from gate and up (elementwise, no matmul), so the MLP keeps 2 of its
-    3 intermediate-sized activations."""
+    3 intermediate-sized activations (plus a boolean dropout mask when p > 0)."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scale):
+    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scale, p=0.0):
         g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
-        y, xa = _lora_fwd_torch(F.silu(g2) * u2, weight, bias, lora_a, lora_b, scale)
-        ctx.save_for_backward(g2, u2, weight, lora_a, lora_b, xa)
-        ctx.scale, ctx.in_shape = scale, gate.shape
+        h = F.silu(g2) * u2
+        keep = _dropout_mask(h, p)
+        y, xa = _lora_fwd_torch(h, weight, bias, lora_a, lora_b, scale, _dropped(h, keep, p))
+        ctx.save_for_backward(g2, u2, weight, lora_a, lora_b, xa, keep)
+        ctx.scale, ctx.p, ctx.in_shape = scale, p, gate.shape
         return y.view(*gate.shape[:-1], weight.shape[0])
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        g2, u2, weight, lora_a, lora_b, xa = ctx.saved_tensors
+        g2, u2, weight, lora_a, lora_b, xa, keep = ctx.saved_tensors
         silu = F.silu(g2)
         h = silu * u2  # the forward's product, recomputed
         need_gate, need_up = ctx.needs_input_grad[:2]
-        dh, da, db = _lora_bwd_torch(dy.reshape(-1, dy.shape[-1]), h, weight, lora_a, lora_b, xa, ctx.scale,
-                                     need_gate or need_up, *ctx.needs_input_grad[4:6])
+        dh, da, db = _lora_bwd_torch(dy.reshape(-1, dy.shape[-1]), _dropped(h, keep, ctx.p), weight, lora_a, lora_b,
+                                     xa, ctx.scale, (need_gate or need_up, *ctx.needs_input_grad[4:6]), keep, ctx.p)
         del h
         dgate = dup = None
         if dh is not None:
             dgate, dup = swiglu_backward_torch(dh, g2, u2, need_gate, need_up, silu)
         return (None if dgate is None else dgate.view(ctx.in_shape), None if dup is None else dup.view(ctx.in_shape),
-                None, None, da, db, None)
+                None, None, da, db, None, None)
 
 
 def _lean_torch_path(x: Tensor, lora_a: Tensor, lora_b: Tensor) -> bool:
@@ -391,32 +416,36 @@ def _lean_torch_path(x: Tensor, lora_a: Tensor, lora_b: Tensor) -> bool:
 
 
 def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
-                scale: float) -> Tensor:
-    """x W^T + b + scale * (x A^T) B^T. x (..., in), weight (out, in) frozen, bias (out,) or
-    None, lora_a (r, in), lora_b (out, r). Gradients flow to x, lora_a and lora_b."""
+                scale: float, dropout: float = 0.0) -> Tensor:
+    """x W^T + b + scale * (drop(x) A^T) B^T. x (..., in), weight (out, in) frozen, bias (out,)
+    or None, lora_a (r, in), lora_b (out, r); dropout: the training-time dropout probability on
+    the low-rank path's input (peft's lora_dropout; pass 0 in eval). Gradients flow to x, lora_a
+    and lora_b."""
     _check(x, weight, bias, lora_a, lora_b, 2)
-    if not _use_kernel(x, weight, bias, lora_a, lora_b):
+    if dropout > 0 or not _use_kernel(x, weight, bias, lora_a, lora_b):
         frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
         if frozen and x.numel() and _lean_torch_path(x, lora_a, lora_b):
-            return LoRALinearTorchFunction.apply(x, weight, bias, lora_a, lora_b, float(scale))
-        return lora_linear_reference(x, weight, bias, lora_a, lora_b, scale)
+            return LoRALinearTorchFunction.apply(x, weight, bias, lora_a, lora_b, float(scale), float(dropout))
+        return lora_linear_reference(x, weight, bias, lora_a, lora_b, scale, dropout)
     y, _ = torch.ops.posttrain.lora_linear(_utils.as_rows(x), weight, bias, lora_a, lora_b, float(scale))
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def swiglu_lora_linear(gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor,
-                       lora_b: Tensor, scale: float) -> Tensor:
-    """lora_linear(silu(gate) * up, weight, bias, lora_a, lora_b, scale): an MLP's SwiGLU and its
-    LoRA down projection. The Triton kernels where they run; elsewhere, in training, one torch
-    Function that does not keep the (N, intermediate) product for backward."""
+                       lora_b: Tensor, scale: float, dropout: float = 0.0) -> Tensor:
+    """lora_linear(silu(gate) * up, weight, bias, lora_a, lora_b, scale, dropout): an MLP's
+    SwiGLU and its LoRA down projection. The Triton kernels where they run; elsewhere, in
+    training, one torch Function that does not keep the (N, intermediate) product for backward."""
     if gate.shape != up.shape:
         raise ValueError(f"swiglu_lora_linear: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     _check(gate, weight, bias, lora_a, lora_b, 2)
     frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
     wants_grad = _lean_torch_path(gate, lora_a, lora_b) or _lean_torch_path(up, lora_a, lora_b)
-    if frozen and wants_grad and gate.numel() and not use_triton(gate, up, weight, lora_a, lora_b):
-        return SwiGLULoRALinearTorchFunction.apply(gate, up, weight, bias, lora_a, lora_b, float(scale))
-    return lora_linear(swiglu(gate, up), weight, bias, lora_a, lora_b, scale)
+    kernel = dropout == 0 and use_triton(gate, up, weight, lora_a, lora_b)
+    if frozen and wants_grad and gate.numel() and not kernel:
+        return SwiGLULoRALinearTorchFunction.apply(gate, up, weight, bias, lora_a, lora_b, float(scale),
+                                                   float(dropout))
+    return lora_linear(swiglu(gate, up), weight, bias, lora_a, lora_b, scale, dropout)
 
 
 def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,

@@ -212,3 +212,65 @@ def test_lora_function_skips_gradients_nobody_needs():
     rx, ra = torch.autograd.grad(lora_linear_reference(x, w, b, a, bb, 0.5).sum(), (x, a))
     torch.testing.assert_close(gx, rx)
     torch.testing.assert_close(ga, ra)
+
+
+def _with_mask(seed, shape, p):
+    """The mask the Functions draw first after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    return torch.empty(shape, dtype=torch.bool).bernoulli_(1 - p)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_lora_dropout_matches_the_formula_with_the_same_mask(p):
+    x, w, b, a, bb = _lora_inputs((3, 5, 24), 10, 4, torch.float64)
+    keep = _with_mask(7, (15, 24), p).view(3, 5, 24)
+    torch.manual_seed(7)
+    got = LoRALinearTorchFunction.apply(x, w, b, a, bb, 0.5, p)
+    ref = torch.nn.functional.linear(x, w, b) + 0.5 * (x * keep / (1 - p)) @ a.T @ bb.T
+    torch.testing.assert_close(got, ref)
+    dy = torch.randn(got.shape, dtype=torch.float64)
+    for g, r in zip(torch.autograd.grad(got, (x, a, bb), dy), torch.autograd.grad(ref, (x, a, bb), dy)):
+        torch.testing.assert_close(g, r)
+
+    def reseeded(x, a, bb):
+        torch.manual_seed(3)
+        return LoRALinearTorchFunction.apply(x, w, b, a, bb, 0.5, p)
+
+    assert torch.autograd.gradcheck(reseeded, (x, a, bb))
+
+
+def test_swiglu_lora_dropout_matches_the_formula_with_the_same_mask():
+    p = 0.25
+    gate, w, b, a, bb = _lora_inputs((2, 3, 16), 8, 2, torch.float64, seed=4)
+    up = torch.randn(gate.shape, dtype=torch.float64, requires_grad=True)
+    keep = _with_mask(11, (6, 16), p).view(2, 3, 16)
+    torch.manual_seed(11)
+    got = swiglu_lora_linear(gate, up, w, b, a, bb, 2.0, p)
+    assert got.grad_fn.name().endswith("SwiGLULoRALinearTorchFunctionBackward")
+    h = swiglu_reference(gate, up)
+    ref = torch.nn.functional.linear(h, w, b) + 2.0 * (h * keep / (1 - p)) @ a.T @ bb.T
+    torch.testing.assert_close(got, ref)
+    dy = torch.randn(got.shape, dtype=torch.float64)
+    for g, r in zip(torch.autograd.grad(got, (gate, up, a, bb), dy), torch.autograd.grad(ref, (gate, up, a, bb), dy)):
+        torch.testing.assert_close(g, r)
+
+
+def test_lora_module_with_dropout_trains_through_the_function_and_evaluates_without():
+    torch.manual_seed(0)
+    mlp = MLP(12, 20).double()
+    apply_lora(mlp, rank=4, alpha=8, targets="all-linear", dropout=0.3)
+    torch.nn.init.normal_(mlp.down_proj.lora_B["default"])
+    x = torch.randn(4, 12, dtype=torch.float64)
+    mlp.train()
+    assert mlp(x).grad_fn.name().endswith("SwiGLULoRALinearTorchFunctionBackward")
+    assert mlp.gate_proj(x).grad_fn.name().endswith("LoRALinearTorchFunctionBackward")
+    torch.manual_seed(1)
+    first = mlp(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(mlp(x), first)  # the mask comes from torch's RNG: seeded, reproducible
+    assert not torch.allclose(mlp(x), first)  # and differs between draws
+    mlp.eval()
+    d = mlp.down_proj
+    h = swiglu_reference(mlp.gate_proj(x), mlp.up_proj(x))
+    expected = h @ d.weight.T + d.scaling["default"] * h @ d.lora_A["default"].T @ d.lora_B["default"].T
+    torch.testing.assert_close(mlp(x), expected)  # eval: no dropout
