@@ -55,6 +55,14 @@ def kernels_mode(m: str) -> Iterator[None]:
         _MODE = old
 
 
+def lean_autograd(*tensors: torch.Tensor | None) -> bool:
+    """True when the torch path of an op should run its memory-lean autograd.Function: eager
+    autograd will differentiate it. Inference and compiled graphs (which fuse the reference
+    themselves) take the plain reference."""
+    return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and any(t is not None and t.requires_grad for t in tensors))
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when `tensors` (the op's inputs) should go through the Triton kernel."""
     if mode() == "torch" or not triton_available():

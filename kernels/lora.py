@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from kernels import _utils
-from kernels.dispatch import use_triton
+from kernels.dispatch import lean_autograd, use_triton
 from kernels.swiglu import swiglu, swiglu_backward_torch
 
 LAUNCHES = _utils.counter()
@@ -295,11 +295,15 @@ def lora_linear_multi_reference(x, weight, bias, lora_a, lora_b, scales, adapter
     return y
 
 
+def _frozen(weight: Tensor, bias: Tensor | None) -> bool:
+    # A trainable base (W or b with requires_grad) needs dW, which neither the kernels nor the
+    # torch Functions compute.
+    return not weight.requires_grad and (bias is None or not bias.requires_grad)
+
+
 def _use_kernel(x, weight, bias, lora_a, lora_b) -> bool:
-    # A trainable base (W or b with requires_grad) needs dW, which the kernels do not compute.
-    frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
     tensors = (x, weight, lora_a, lora_b) + ((bias,) if bias is not None else ())
-    return frozen and use_triton(*tensors) and _utils.supported(*tensors) and x.numel() > 0
+    return _frozen(weight, bias) and use_triton(*tensors) and _utils.supported(*tensors) and x.numel() > 0
 
 
 def _check(x, weight, bias, lora_a, lora_b, n_dims):
@@ -408,11 +412,12 @@ class SwiGLULoRALinearTorchFunction(torch.autograd.Function):
                 None, None, da, db, None, None)
 
 
-def _lean_torch_path(x: Tensor, lora_a: Tensor, lora_b: Tensor) -> bool:
-    # The custom Functions pay off in eager autograd; compiled graphs, inference and autocast
-    # regions (whose per-op casts the in-place accumulation would bypass) use the reference.
-    return (torch.is_grad_enabled() and (x.requires_grad or lora_a.requires_grad or lora_b.requires_grad)
-            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type))
+def _lean_torch_path(weight: Tensor, bias: Tensor | None, *tensors: Tensor) -> bool:
+    # The torch Functions: frozen base, non-empty input, eager autograd (lean_autograd), outside
+    # autocast regions (whose per-op casts the in-place accumulation would bypass).
+    x = tensors[0]
+    return (_frozen(weight, bias) and x.numel() > 0 and lean_autograd(*tensors)
+            and not torch.is_autocast_enabled(x.device.type))
 
 
 def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
@@ -423,8 +428,7 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
     and lora_b."""
     _check(x, weight, bias, lora_a, lora_b, 2)
     if dropout > 0 or not _use_kernel(x, weight, bias, lora_a, lora_b):
-        frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
-        if frozen and x.numel() and _lean_torch_path(x, lora_a, lora_b):
+        if _lean_torch_path(weight, bias, x, lora_a, lora_b):
             return LoRALinearTorchFunction.apply(x, weight, bias, lora_a, lora_b, float(scale), float(dropout))
         return lora_linear_reference(x, weight, bias, lora_a, lora_b, scale, dropout)
     y, _ = torch.ops.posttrain.lora_linear(_utils.as_rows(x), weight, bias, lora_a, lora_b, float(scale))
@@ -439,10 +443,8 @@ def swiglu_lora_linear(gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | 
     if gate.shape != up.shape:
         raise ValueError(f"swiglu_lora_linear: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     _check(gate, weight, bias, lora_a, lora_b, 2)
-    frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
-    wants_grad = _lean_torch_path(gate, lora_a, lora_b) or _lean_torch_path(up, lora_a, lora_b)
     kernel = dropout == 0 and use_triton(gate, up, weight, lora_a, lora_b)
-    if frozen and wants_grad and gate.numel() and not kernel:
+    if not kernel and _lean_torch_path(weight, bias, gate, up, lora_a, lora_b):
         return SwiGLULoRALinearTorchFunction.apply(gate, up, weight, bias, lora_a, lora_b, float(scale),
                                                    float(dropout))
     return lora_linear(swiglu(gate, up), weight, bias, lora_a, lora_b, scale, dropout)

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from kernels import _utils
-from kernels.dispatch import use_triton
+from kernels.dispatch import lean_autograd, use_triton
 
 LAUNCHES = _utils.counter()
 
@@ -241,8 +241,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     inputs = (x, weight) if residual is None else (x, weight, residual)
     if (not use_triton(*inputs) or not _utils.supported(*inputs)
             or x.shape[-1] > _utils.MAX_FUSED_SIZE or x.numel() == 0):
-        if (residual is None and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-                and not torch.compiler.is_compiling()):  # compiled graphs fuse the reference themselves
+        if residual is None and lean_autograd(x, weight):
             return RMSNormTorchFunction.apply(x, weight, eps)
         return rms_norm_reference(x, weight, eps, residual)
     x2 = _utils.as_rows(x)

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from kernels import _utils
-from kernels.dispatch import use_triton
+from kernels.dispatch import lean_autograd, use_triton
 
 LAUNCHES = _utils.counter()
 MAX_BLOCK = 1024  # columns per program; module-level so tests can shrink it to cover the tiling
@@ -160,8 +160,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     if not use_triton(gate, up) or not _utils.supported(gate, up) or gate.numel() == 0:
-        if (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
-                and not torch.compiler.is_compiling()):  # compiled graphs fuse the reference themselves
+        if lean_autograd(gate, up):
             return SwiGLUTorchFunction.apply(gate, up)
         return swiglu_reference(gate, up)
     y = torch.ops.posttrain.swiglu(_utils.as_rows(gate), _utils.as_rows(up))

@@ -63,6 +63,15 @@ def _write(text: str | bytes, suffix: str = ".yaml") -> Path:
     return Path(name)
 
 
+def load_written(text: str | bytes, suffix: str = ".yaml"):
+    """(the file, load(PipelineConfig, file)) for `text` written to a temporary file, removed again."""
+    file = _write(text, suffix)
+    try:
+        return file, load(PipelineConfig, file)
+    finally:
+        file.unlink()
+
+
 def load(cls, path=None, overrides=()):
     """The config, or the ConfigError; any other exception fails the test."""
     try:
@@ -154,11 +163,7 @@ def test_one_bad_value_is_named_by_its_key_path(change, as_json):
         event("YAML written differs from the document; sent as JSON")
     suffix = ".json" if as_json else ".yaml"
     text = json.dumps(doc) if as_json else text
-    file = _write(text, suffix)
-    try:
-        got = load(PipelineConfig, file)
-    finally:
-        file.unlink()
+    file, got = load_written(text, suffix)
     if isinstance(got, ConfigError):
         msg = str(got)
         assert path is not None and (names_path(msg, path) or msg.startswith(f"{file}: ")), (path, msg)
@@ -175,11 +180,7 @@ def test_random_documents(doc, nest):
         text = yaml.safe_dump(doc, allow_unicode=True)
     except yaml.YAMLError:  # e.g. a key yaml cannot represent: not a document a user can write
         return
-    file = _write(text)
-    try:
-        got = load(PipelineConfig, file)
-    finally:
-        file.unlink()
+    file, got = load_written(text)
     if isinstance(got, ConfigError):
         assert str(file) in str(got), str(got)  # which file, and (per line) which key
     else:
@@ -195,11 +196,7 @@ def test_random_documents(doc, nest):
                                       "name: a\nname: b\n", "sft_teacher:\n  max_steps: " + "9" * 5000])),
        suffix=st.sampled_from([".yaml", ".json"]))
 def test_raw_bytes_and_text(raw, suffix):
-    file = _write(raw, suffix)
-    try:
-        got = load(PipelineConfig, file)
-    finally:
-        file.unlink()
+    file, got = load_written(raw, suffix)
     if isinstance(got, ConfigError):
         assert str(file) in str(got), str(got)
     else:

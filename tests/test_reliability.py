@@ -257,19 +257,26 @@ def test_reliability_config():
 
 # ------------------------------------------------------------------------------ through fit
 
-def test_nan_steps_are_skipped_then_rolled_back_past_the_bad_batches(tmp_path):
-    job = Job(tmp_path, steps=8, save_every=4, max_bad_steps=3)
-    job.faults.nan = {6, 7, 8}  # steps 1-5 fine (checkpoint at 4), then three NaN batches in a row
-    at_rollback: dict[str, torch.Tensor] = {}
-    saved_at_4: dict[str, torch.Tensor] = {}
+def snapshot_weights(job, after_step: int, event: str):
+    """An on_metrics callback for job.fit, and the two weight snapshots it fills: after the
+    optimizer step `after_step`, and when a metric named `event` is logged."""
+    after: dict[str, torch.Tensor] = {}
+    at_event: dict[str, torch.Tensor] = {}
 
     def on_metrics(metrics, step):
         job.on_metrics(metrics, step)
-        if step == 4 and "loss" in metrics:
-            saved_at_4.update(weights(job.trainer.model))
-        if "events/rollback" in metrics:
-            at_rollback.update(weights(job.trainer.model))
+        if step == after_step and "loss" in metrics:
+            after.update(weights(job.trainer.model))
+        if event in metrics:
+            at_event.update(weights(job.trainer.model))
 
+    return on_metrics, after, at_event
+
+
+def test_nan_steps_are_skipped_then_rolled_back_past_the_bad_batches(tmp_path):
+    job = Job(tmp_path, steps=8, save_every=4, max_bad_steps=3)
+    job.faults.nan = {6, 7, 8}  # steps 1-5 fine (checkpoint at 4), then three NaN batches in a row
+    on_metrics, saved_at_4, at_rollback = snapshot_weights(job, 4, "events/rollback")
     job.fit(on_metrics=on_metrics)
     assert job.keyed("events/skipped_nonfinite") == [(6, 1.0), (6, 2.0), (6, 3.0)]
     assert job.keyed("events/rollback") == [(6, 1.0)] and job.keyed("events/rollback_to_step") == [(6, 4.0)]
@@ -287,16 +294,7 @@ def test_nan_steps_are_skipped_then_rolled_back_past_the_bad_batches(tmp_path):
 def test_loss_spike_is_skipped_and_training_goes_on(tmp_path):
     job = Job(tmp_path, steps=10, save_every=None, spike_zscore=5.0, spike_window=8)
     job.faults.spike = {8}
-    after_7: dict[str, torch.Tensor] = {}
-    at_skip: dict[str, torch.Tensor] = {}
-
-    def on_metrics(metrics, step):
-        job.on_metrics(metrics, step)
-        if step == 7 and "loss" in metrics:
-            after_7.update(weights(job.trainer.model))
-        if "events/skipped_spike" in metrics:
-            at_skip.update(weights(job.trainer.model))
-
+    on_metrics, after_7, at_skip = snapshot_weights(job, 7, "events/skipped_spike")
     job.fit(on_metrics=on_metrics)
     assert_bitwise_equal(at_skip, after_7)  # the spiking step changed nothing
     (step, z), = job.keyed("events/spike_zscore")

@@ -138,11 +138,11 @@ class DocumentSpans:
         B, T = position_ids.shape
         starts = (position_ids == 0).clone()
         starts[:, 0] = True
-        flat = starts.reshape(-1).nonzero().squeeze(1).tolist()  # one host sync per forward
-        bounds = flat + [B * T]
+        bounds = starts.reshape(-1).nonzero().squeeze(1).tolist() + [B * T]  # one host sync per forward
+        lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
         runs: list[list[tuple[int, int, int]]] = [[] for _ in range(B)]
-        for s, e in zip(bounds[:-1], bounds[1:]):
-            row, start, length = s // T, s % T, e - s
+        for s, length in zip(bounds, lengths):
+            row, start = divmod(s, T)
             row_runs = runs[row]
             if row_runs and row_runs[-1][1] == length:
                 first, _, count = row_runs[-1]
@@ -150,7 +150,7 @@ class DocumentSpans:
             else:
                 row_runs.append((start, length, 1))
         cu = torch.tensor(bounds, dtype=torch.int32, device=position_ids.device)
-        return cls(tuple(tuple(r) for r in runs), cu, max(e - s for s, e in zip(bounds[:-1], bounds[1:])))
+        return cls(tuple(tuple(r) for r in runs), cu, max(lengths))
 
 
 @torch.compiler.disable  # runs eagerly inside compiled blocks: traced, each new layout would recompile
@@ -190,17 +190,19 @@ def attention_masks(
     packed = position_ids is not None
     spans = DocumentSpans.from_position_ids(position_ids) if packed and attention_mask is None else None
     masks: dict[int | None, torch.Tensor | DocumentSpans | None] = {}
+    mask_inputs = None
     for window in {args.window_of(i) for i in layers}:
         if window is None and attention_mask is None and start == 0 and not packed:
             masks[window] = None
         elif spans is not None and (window is None or spans.max_len <= window):
             masks[window] = spans  # a window no document reaches does not bite
         else:
-            # Without a cache the queries are the keys, so one document-id tensor serves both.
-            docs = torch.cumsum(position_ids == 0, dim=1) if packed else None
-            slots = torch.arange(start, start + T, device=device)[None]
-            k_slots = torch.arange(start + T, device=device)[None]
-            masks[window] = build_attention_mask(slots, k_slots, attention_mask, docs, docs, window)
+            if mask_inputs is None:
+                # Without a cache the queries are the keys, so one document-id tensor serves both.
+                docs = torch.cumsum(position_ids == 0, dim=1) if packed else None
+                mask_inputs = (torch.arange(start, start + T, device=device)[None],
+                               torch.arange(start + T, device=device)[None], attention_mask, docs, docs)
+            masks[window] = build_attention_mask(*mask_inputs, window)
     return masks
 
 
