@@ -458,7 +458,9 @@ class DPOConfig(TrainStageConfig):
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO target reward margin.")
     sft_weight: float = Field(0.0, ge=0, description="Weight of an NLL term on chosen responses (RPO).")
     reference: Literal["precomputed", "disable_adapter", "model"] = Field(
-        "disable_adapter", description="Reference log-probs: once before training, base, or a copy.")
+        "disable_adapter", description="Reference log-probs: computed once before training ('precomputed'), "
+                                       "by the LoRA base ('disable_adapter'), or by a frozen copy of the starting "
+                                       "model run beside the policy ('model').")
     pairs: Literal["offline", "on_policy"] = Field(
         "offline", description="Pairs from the data, or policy samples ranked by the task verifier.")
     num_samples: int = Field(4, ge=2, description="On-policy samples per prompt.")
@@ -483,7 +485,9 @@ class EvalConfig(StageConfig):
     model: ModelConfig = Field(ModelConfig(), description="The model evaluated.")
     compare_to: list[str] = Field(
         ["sft_student", "distill"], description="Stages or model dirs evaluated alongside.")
-    parallel: ParallelConfig = Field(ParallelConfig(), description="Mesh; examples split over dp ranks.")
+    parallel: ParallelConfig = Field(
+        ParallelConfig(), description="Device, backend and data-parallel ranks the examples are split over "
+                                      "(each holds the whole model: tp, pp, cp and ep stay 1).")
     data: DataConfig = Field(DataConfig(), description="Evaluation data.")
     split: Literal["val", "test"] = Field("test", description="Split evaluated.")
     max_examples: int | None = Field(None, gt=0, description="At most this many examples; None = all.")
@@ -498,6 +502,11 @@ class EvalConfig(StageConfig):
     def _check(self) -> EvalConfig:
         if self.num_samples > 1 and self.temperature == 0:
             raise ValueError("num_samples > 1 with temperature=0 repeats one greedy sample")
+        split = [f"parallel.{k}={getattr(self.parallel, k)}" for k in ("tp", "pp", "cp", "ep")
+                 if getattr(self.parallel, k) > 1]
+        if split:
+            raise ValueError(f"{', '.join(split)}: evaluation splits the examples over data-parallel ranks, "
+                             "each holding the whole model; set them to 1")
         if self.launcher is not None:
             check_layout(self.parallel, self.launcher)
         return self

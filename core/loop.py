@@ -10,9 +10,11 @@ as an `events/*` key at the step being attempted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterator
 
+from core.monitor import ThroughputMeter, batch_tokens
 from core.reliability import Preempted, Reliability, TrainingDiverged
 from core.trainer import Objective, Trainer
 
@@ -35,13 +37,17 @@ def fit(
     advance: Callable[..., None] | None = None,
     before_step: Callable[[int], None] | None = None,
     reliability: Reliability | None = None,
+    meter: ThroughputMeter | None = None,
 ) -> dict[str, float]:
     """Train until `max_steps` optimizer steps or the loader is exhausted; returns the metrics of
     the last applied step (plus the last evaluation). `loader` is a StatefulLoader: its position
     is saved with every checkpoint, so a resumed run sees exactly the batches it had not yet seen.
     `reliability` defaults to spike screening and rollback with ReliabilityConfig's defaults, no
-    signal handler and no watchdog (a stage passes Reliability.from_config)."""
+    signal handler and no watchdog (a stage passes Reliability.from_config). `meter` times the
+    step's phases (data, forward_backward, optim_step, evaluate, checkpoint) and counts tokens;
+    its window report joins the metrics at every logged step."""
     rel = reliability if reliability is not None else Reliability()
+    phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
 
     def emit(events: dict[str, float], step: int) -> None:
         if events and on_metrics is not None:
@@ -64,7 +70,7 @@ def fit(
             emit({"events/resumed_from_step": float(trainer.step)}, trainer.step)
     if advance is not None and trainer.step:
         advance(trainer.step)
-    batches: Iterable = iter(loader)
+    batches: Iterator = iter(loader)
     last: dict[str, float] = {}
     done = trainer.step >= max_steps
     rel.start()
@@ -75,16 +81,22 @@ def fit(
             if before_step is not None:
                 before_step(trainer.step)
             n = 0
-            for batch in batches:
-                rel.beat(phase="forward_backward")
-                trainer.forward_backward(batch, objective)
-                n += 1
-                if n == grad_accum:
+            while n < grad_accum:
+                with phase("data"):
+                    batch = next(batches, None)
+                if batch is None:
                     break
+                rel.beat(phase="forward_backward")
+                with phase("forward_backward"):
+                    trainer.forward_backward(batch, objective)
+                if meter is not None:
+                    meter.add_tokens(batch_tokens(batch))
+                n += 1
             if n == 0:
                 break  # data exhausted on a step boundary
             rel.beat(phase="optim_step")
-            metrics = trainer.optim_step(skip_if=rel.skip_if)
+            with phase("optim_step"):
+                metrics = trainer.optim_step(skip_if=rel.skip_if)
             skipped = bool(metrics["skipped"])
             emit(rel.after_step(metrics, attempt), attempt)
             if skipped and rel.needs_rollback():
@@ -97,18 +109,20 @@ def fit(
                 last = metrics
             if evaluate is not None and ((not skipped and eval_every and step % eval_every == 0) or done):
                 rel.beat(phase="evaluate")
-                last = {**last, **evaluate()}
+                with phase("evaluate"):
+                    last = {**last, **evaluate()}
             if on_metrics is not None and (done or (not skipped and (step % log_every == 0 or "val/loss" in last))):
-                on_metrics(last, step)
+                on_metrics({**last, **(meter.report() if meter is not None else {})}, step)
             if advance is not None and not skipped:
                 advance(1, loss=last["loss"])
             if manager is not None and (done or not skipped):
                 rel.beat(phase="checkpoint")
-                if done:
-                    trainer.save_state(manager, checkpoint_extra())
-                else:
-                    manager.maybe_save(step, trainer.model, trainer.optimizer, trainer.scheduler,
-                                       extra={"trainer": trainer.state_dict(), **checkpoint_extra()})
+                with phase("checkpoint"):
+                    if done:
+                        trainer.save_state(manager, checkpoint_extra())
+                    else:
+                        manager.maybe_save(step, trainer.model, trainer.optimizer, trainer.scheduler,
+                                           extra={"trainer": trainer.state_dict(), **checkpoint_extra()})
             if not done and rel.stop_requested(trainer.device):
                 _preempted(trainer, manager, checkpoint_extra())
         if manager is not None:

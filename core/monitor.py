@@ -48,19 +48,31 @@ def flops_per_token(args: ModelArgs, seq_len: int, trainable_fraction: float = 1
 
 
 class ThroughputMeter:
-    """Tokens/s and MFU over the steps since the last `report`, plus named phase timings."""
+    """Tokens/s, MFU and named phase timings: per window (`report`, since the last report) and
+    over the whole run (`totals`, since `start`). Phases may nest (the teacher's forwards run
+    inside forward_backward), so their fractions need not add up to 1.
 
-    def __init__(self, flops_per_token: float, device: torch.device, world_size: int = 1):
+    peak_flops: the device's peak FLOP/s for MFU; default from PEAK_FLOPS by the CUDA device
+    name (none on CPU, where MFU is not reported)."""
+
+    def __init__(self, flops_per_token: float, device: torch.device, world_size: int = 1,
+                 peak: float | None = None):
         self.fpt = flops_per_token
-        self.peak = peak_flops(device)
+        self.peak = peak if peak is not None else peak_flops(device)
         self.device = device
         self.world = world_size
         self.phases: dict[str, float] = defaultdict(float)
+        self.start()
+
+    def start(self) -> None:
+        """Begin the run (and the first window) now."""
+        self._run = (time.perf_counter(), 0)
+        self._run_phases: dict[str, float] = defaultdict(float)
         self._reset()
 
     def _reset(self) -> None:
         self.tokens = 0
-        self.start = time.perf_counter()
+        self.window_start = time.perf_counter()
         self.phases.clear()
 
     def _sync(self) -> None:
@@ -69,30 +81,49 @@ class ThroughputMeter:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time a part of the step (data, forward_backward, optimizer, teacher, ...)."""
+        """Time a part of the step (data, forward_backward, optim_step, teacher, ...)."""
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self._sync()
-            self.phases[name] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.phases[name] += dt
+            self._run_phases[name] += dt
 
     def add_tokens(self, n: int) -> None:
         self.tokens += n
+        self._run = (self._run[0], self._run[1] + n)
 
-    def report(self) -> dict[str, float]:
-        self._sync()
-        dt = max(time.perf_counter() - self.start, 1e-9)
-        tps = self.tokens / dt
+    def _rates(self, tokens: int, seconds: float, phases: dict[str, float]) -> dict[str, float]:
+        seconds = max(seconds, 1e-9)
+        tps = tokens / seconds
         out = {"tokens_per_s": tps * self.world, "tokens_per_s_per_device": tps}
         if self.peak:
             out["mfu"] = tps * self.fpt / self.peak
-        for name, t in self.phases.items():
-            out[f"time/{name}_frac"] = t / dt
+        out.update({f"time/{name}_frac": t / seconds for name, t in phases.items()})
+        return out
+
+    def report(self) -> dict[str, float]:
+        """The window since the last report (or start); starts the next window."""
+        self._sync()
+        out = self._rates(self.tokens, time.perf_counter() - self.window_start, self.phases)
         if self.device.type == "cuda":
             out["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self._reset()
         return out
+
+    def totals(self) -> dict[str, float]:
+        """The same figures over the whole run since `start`."""
+        self._sync()
+        t0, tokens = self._run
+        return self._rates(tokens, time.perf_counter() - t0, self._run_phases)
+
+
+def batch_tokens(batch: dict) -> int:
+    """Real (non-padding) input tokens of a model batch."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
 
 
 @contextlib.contextmanager

@@ -18,9 +18,10 @@ from typing import Any, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from core.config import ModelConfig, StageConfig, from_json_file
-from core.manifest import ManifestError, is_stage_dir, read_manifest
+from core.config import ModelConfig, ParallelConfig, StageConfig, from_json_file
+from core.manifest import is_stage_dir, read_manifest
 from core.model import Transformer, build_model, get_preset
+from core.tracking import NullTracker, Tracker
 
 C = TypeVar("C", bound=StageConfig)
 log = logging.getLogger("posttrain")
@@ -39,14 +40,25 @@ def parse_spec(cls: type[C], argv: list[str] | None = None) -> C:
 
 @dataclass
 class Dist:
+    """Where this process stands: its rank, the world, its device, and once a training stage has
+    parallelized its policy, the mesh (None on one process, and in stages without one)."""
+
     rank: int
     world: int
     local_rank: int
     device: torch.device
+    mesh: Any = None  # core.parallel.ParallelMesh
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """(this rank's shard, shards) of the data: tp ranks of a mesh read the same batches."""
+        if self.mesh is not None:
+            return self.mesh.local_rank("dp"), self.mesh.size("dp")
+        return self.rank, self.world
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -60,24 +72,19 @@ class Dist:
         return t.cpu().tolist()
 
 
-def init_distributed(timeout_s: float | None = None) -> Dist:
-    """Join torchrun's process group (gloo on CPU, NCCL on GPUs); a plain single process if not
-    launched by torchrun. `timeout_s`: the collective timeout (ReliabilityConfig)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        from core.reliability import prepare_process_group
+def start_distributed(parallel: ParallelConfig | None = None, timeout_s: float | None = None) -> Dist:
+    """Join torchrun's process group with `parallel`'s backend and device (core.parallel.mesh,
+    the one place a group is made); a plain single process needs none. `timeout_s`: the
+    collective timeout (ReliabilityConfig)."""
+    from core.parallel.mesh import init_process_group
 
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **prepare_process_group(timeout_s))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    return Dist(rank, world, local_rank, device)
+    try:
+        env, device = init_process_group(parallel or ParallelConfig(), timeout_s)
+    except ValueError as e:
+        raise StageError(f"parallel: {e}") from None
+    logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING,
+                        format=f"[rank{env.rank}] %(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    return Dist(env.rank, env.world_size, env.local_rank, device)
 
 
 def close_distributed() -> None:
@@ -185,23 +192,10 @@ def dump_json(path: str | Path, obj: Any) -> None:
     Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
-__all__ = ["Dist", "ManifestError", "StageError", "data_files", "find_tokenizer_dir", "init_distributed",
-           "load_model", "load_tokenizer", "parse_spec", "progress", "resolve_model_dir"]
 
 
 # ---------------------------------------------------------------------------------------------
 # Tracking
-
-
-class _NoRun:
-    run_id = None
-
-    def log_params(self, *a, **k): ...
-    def log_metrics(self, *a, **k): ...
-    def log_artifact(self, *a, **k): ...
-    def log_dict(self, *a, **k): ...
-    def log_text(self, *a, **k): ...
-    def set_tags(self, *a, **k): ...
 
 
 @contextlib.contextmanager
@@ -211,10 +205,9 @@ def stage_run(cfg: StageConfig, stage: str, is_main: bool = True) -> Iterator[An
     A failure ends the run as FAILED with the exception as a tag, then propagates."""
     tracking = cfg.tracking
     if not is_main or tracking is None or not tracking.enabled:
-        yield _NoRun()
+        yield NullTracker()
         return
     from core.config import dump_config
-    from core.tracking import Tracker
 
     name = os.environ.get("POSTTRAIN_RUN_NAME") or stage
     tracker = Tracker(tracking, run_name=name, tags={"posttrain.stage": stage, **tracking.tags})

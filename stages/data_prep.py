@@ -18,7 +18,7 @@ from typing import Any
 from core.config import DataPrepConfig
 from core.manifest import write_manifest
 from core.tasks import TASKS, make_suite
-from stages.common import StageError, init_distributed, parse_spec, stage_run
+from stages.common import StageError, parse_spec, stage_run, start_distributed
 
 log = logging.getLogger("posttrain.data_prep")
 
@@ -177,7 +177,7 @@ def prepare(cfg: DataPrepConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_spec(DataPrepConfig, argv)
-    d = init_distributed()
+    d = start_distributed()
     manifest = None
     if d.is_main:  # data prep is cheap and must be written once; other ranks just wait
         with stage_run(cfg, "data_prep") as run:

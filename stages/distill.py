@@ -7,7 +7,8 @@ Modes:
   offline    the teacher's top-k log-probs on the training data, computed once into a cached,
              versioned artifact (keyed by data, teacher and k) that later runs reuse
 
-Reports the teacher's share of step time.
+Reports the teacher's share of the step time (time/teacher_frac), and the student's sampling
+share in on_policy mode (time/student_sampling_frac).
 
     torchrun --nproc-per-node 2 -m stages.distill --config spec.json
 """
@@ -16,47 +17,38 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.checkpoint import CheckpointManager
 from core.config import DistillConfig
 from core.data.encode import Document
 from core.data.packing import collate_padding_free
 from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk
-from core.loop import fit
 from core.manifest import digest
 from core.model.generate import SamplingParams, generate
 from core.objectives import CHUNK, distill_objective
-from core.reliability import Reliability
 from core.trainer import LossOutput
-from stages.common import (Dist, StageError, close_distributed, init_distributed, load_model, parse_spec, progress,
-                           stage_run)
-from stages.training import (DeviceLoader, build_policy, build_trainer, doc_loader, finish,
-                             mean_loss, sampling, sft_documents, to_device, total_steps)
+from stages.common import Dist, StageError, load_model, parse_spec
+from stages.recipe import Plan, Session, run_training
+from stages.training import DeviceLoader, doc_loader, mean_loss, sampling, sft_documents, to_device
 
 log = logging.getLogger("posttrain.distill")
 
 
 class TimedTeacher(torch.nn.Module):
-    """Wraps the teacher to time its forwards (synchronized on GPU) for the step-time share."""
+    """Wraps the teacher so its forwards count as the `teacher` phase of the step time
+    (time/teacher_frac: a share of the wall time, synchronized on GPU)."""
 
-    def __init__(self, teacher: torch.nn.Module):
+    def __init__(self, teacher: torch.nn.Module, session: Session):
         super().__init__()
-        self.teacher = teacher
-        self.seconds = 0.0
+        self.teacher, self.session = teacher, session
 
     def forward(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self.teacher(*args, **kwargs)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.seconds += time.perf_counter() - t0
-        return out
+        with self.session.phase("teacher"):
+            return self.teacher(*args, **kwargs)
 
 
 def prompt_of(doc: Document) -> list[int]:
@@ -68,8 +60,9 @@ class OnPolicyMix:
     """Replaces a share of the loader's micro-batches by the student's samples for their prompts.
     The draw uses Python's `random` seeded per step, so a resumed run draws the same mix."""
 
-    def __init__(self, loader, student, tok, cfg: DistillConfig, device):
-        self.loader, self.student, self.tok, self.cfg, self.device = loader, student, tok, cfg, device
+    def __init__(self, loader, session: Session):
+        self.loader, self.session = loader, session
+        self.student, self.tok, self.cfg, self.device = session.model, session.tok, session.cfg, session.dist.device
         self.samples = 0
 
     def __iter__(self):
@@ -85,7 +78,8 @@ class OnPolicyMix:
         prompts = [prompt_of(Document(ids[a:b], labels[a:b])) for a, b in zip(cu[:-1], cu[1:])]
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=1.0,
                                 stop_token_ids=tuple(self.tok.eos_ids))
-        with sampling(self.student, self.cfg.parallel):  # every rank samples at the same micro-step
+        with sampling(self.student, self.cfg.parallel), self.session.phase("student_sampling"):
+            # every rank samples at the same micro-step
             gens = generate(self.student, prompts, params, pad_id=self.tok.pad_id or 0)
         self.student.train()
         self.samples += len(gens)
@@ -154,44 +148,34 @@ def offline_objective(cfg: DistillConfig, topk: dict[str, torch.Tensor]) -> Any:
     return objective
 
 
-def run(cfg: DistillConfig) -> dict:
-    d = init_distributed(cfg.reliability.collective_timeout_s)
-    out = Path(cfg.output_dir or "distill")
-    if cfg.mode != "online" and cfg.parallel.tp > 1:  # sampling with a KV cache / full-vocab top-k logits
-        raise StageError(f"distill: mode={cfg.mode!r} does not support tensor parallelism yet; set parallel.tp=1 "
-                         f"(parallel.tp={cfg.parallel.tp}) or mode='online'")
-    student, tok, upstream, d = build_policy(cfg, d)  # d: now with the mesh
-    teacher, teacher_manifest = load_model(cfg.teacher, d.device, cfg.seed)
-    teacher.requires_grad_(False).eval()
-    if teacher.args.vocab_size != student.args.vocab_size:
-        raise SystemExit(f"distill: teacher vocab {teacher.args.vocab_size} != student vocab "
-                         f"{student.args.vocab_size}; they must share the tokenizer")
-    timed = TimedTeacher(teacher)
-    train_docs = sft_documents(cfg.data.sources, "train", tok, cfg.data)
-    val_docs = sft_documents(cfg.data.sources, "val", tok, cfg.data)
-    base = doc_loader(train_docs, cfg.data, d, epochs=cfg.epochs)
-    online = distill_objective(timed, cfg.kind, cfg.temperature, cfg.jsd_beta, cfg.ce_weight)
+class Distill:
+    name = "distill"
 
-    with stage_run(cfg, "distill", d.is_main) as run_:
-        if cfg.mode == "offline":
-            teacher_id = (teacher_manifest or {}).get("digest", cfg.teacher.name_or_path)
-            t0 = time.perf_counter()
-            topk = teacher_topk(teacher, train_docs, cfg.top_k, out / "teacher_cache", teacher_id, d)
-            timed.seconds += time.perf_counter() - t0
+    def setup(self, s: Session) -> Plan:
+        cfg, d, student, tok = s.cfg, s.dist, s.model, s.tok
+        if cfg.mode != "online" and cfg.parallel.tp > 1:  # sampling with a KV cache / full-vocab top-k logits
+            raise StageError(f"distill: mode={cfg.mode!r} does not support tensor parallelism yet; set "
+                             f"parallel.tp=1 (parallel.tp={cfg.parallel.tp}) or mode='online'")
+        teacher, teacher_manifest = load_model(cfg.teacher, d.device, cfg.seed)
+        teacher.requires_grad_(False).eval()
+        if teacher.args.vocab_size != student.args.vocab_size:
+            raise StageError(f"distill: teacher vocab {teacher.args.vocab_size} != student vocab "
+                             f"{student.args.vocab_size}; they must share the tokenizer")
+        timed = TimedTeacher(teacher, s)
+        train_docs = sft_documents(cfg.data.sources, "train", tok, cfg.data)
+        val_docs = sft_documents(cfg.data.sources, "val", tok, cfg.data)
+        base = doc_loader(train_docs, cfg.data, d, epochs=cfg.epochs)
+        online = distill_objective(timed, cfg.kind, cfg.temperature, cfg.jsd_beta, cfg.ce_weight)
+        teacher_id = (teacher_manifest or {}).get("digest", cfg.teacher.name_or_path)
+        if cfg.mode == "offline":  # before training: not part of the step time
+            topk = teacher_topk(teacher, train_docs, cfg.top_k, s.out / "teacher_cache", teacher_id, d)
             collate = base.collate
             base.collate = lambda units: {**collate(units), "units": units}
-            objective = offline_objective(cfg, topk)
-            train = DeviceLoader(base, d.device)
+            objective, train = offline_objective(cfg, topk), DeviceLoader(base, d.device)
         elif cfg.mode == "on_policy":
-            objective = online
-            train = OnPolicyMix(DeviceLoader(base, d.device), student, tok, cfg, d.device)
+            objective, train = online, OnPolicyMix(DeviceLoader(base, d.device), s)
         else:
-            objective = online
-            train = DeviceLoader(base, d.device)
-        steps = total_steps(cfg, len(train))
-        trainer = build_trainer(student, cfg, d, steps)
-        manager = CheckpointManager.from_config(out / "checkpoints", cfg.checkpoint, trainable_only=cfg.lora.enabled,
-                                                config=cfg.model_dump(mode="json"))
+            objective, train = online, DeviceLoader(base, d.device)
 
         def validate() -> dict[str, float]:
             if not val_docs:
@@ -199,32 +183,14 @@ def run(cfg: DistillConfig) -> dict:
             val = DeviceLoader(doc_loader(val_docs, cfg.data, d, epochs=1, evaluation=True), d.device)
             return {"val/kl": mean_loss(student, val, online, d)}
 
-        before = validate()
-        t_start = time.perf_counter()
+        def summary() -> dict[str, float]:
+            return {"on_policy/samples": train.samples} if isinstance(train, OnPolicyMix) else {}
 
-        def log_metrics(metrics: dict[str, float], step: int) -> None:
-            elapsed = time.perf_counter() - t_start
-            run_.log_metrics({**metrics, "time/teacher_frac": timed.seconds / max(elapsed, 1e-9)}, step=step)
+        return Plan(train, objective, validate, inputs={"teacher": teacher_id}, summary=summary)
 
-        with progress(steps, "distill", d.is_main) as advance:
-            last = fit(trainer, train, objective, max_steps=steps, grad_accum=cfg.optim.grad_accum_steps,
-                       manager=manager, resume=cfg.checkpoint.resume, log_every=cfg.tracking.log_every,
-                       on_metrics=log_metrics, evaluate=validate, eval_every=cfg.eval_interval,
-                       advance=lambda n, **kw: advance(n, **kw),
-                       reliability=Reliability.from_config(cfg.reliability, out / "watchdog"))
-        manager.close()
-        elapsed = time.perf_counter() - t_start
-        metrics = {"train/loss": last.get("loss"), "val/kl": last.get("val/kl"),
-                   "val/kl_initial": before.get("val/kl"), "steps": trainer.step,
-                   "time/teacher_frac": timed.seconds / max(elapsed, 1e-9)}
-        if isinstance(train, OnPolicyMix):
-            metrics["on_policy/samples"] = train.samples
-        manifest = finish("distill", student, tok, cfg, out, d, run_, metrics,
-                          inputs={"student": (upstream or {}).get("digest", cfg.model.name_or_path),
-                                  "teacher": (teacher_manifest or {}).get("digest", cfg.teacher.name_or_path)},
-                          step=trainer.step)
-    close_distributed()
-    return manifest or {}
+
+def run(cfg: DistillConfig) -> dict:
+    return run_training(Distill(), cfg)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,8 @@
 """Direct preference optimization (and IPO, hinge, robust, SimPO): offline pairs from data, or
 on-policy pairs the policy samples itself and the task verifier ranks (best = chosen, worst =
-rejected). The reference is the base under `disable_adapter()` for LoRA policies, or log-probs
-precomputed once and cached beside the outputs. Chosen and rejected share one forward.
+rejected). The reference (`reference`) is the base under `disable_adapter()` for LoRA policies,
+a frozen copy of the starting model (any policy: full fine-tuning too), or log-probs precomputed
+once and cached beside the outputs. Chosen and rejected share one forward.
 
     torchrun --nproc-per-node 2 -m stages.dpo --config spec.json
 """
@@ -16,19 +17,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.checkpoint import CheckpointManager
 from core.config import DPOConfig
 from core.data.encode import PreferencePair
 from core.lora import disable_adapter
-from core.loop import fit
 from core.manifest import digest
 from core.model.generate import SamplingParams, generate
 from core.objectives import dpo_objective, pair_logps
-from core.reliability import Reliability
 from core.tasks import verify
-from stages.common import Dist, StageError, close_distributed, init_distributed, parse_spec, progress, stage_run
-from stages.training import (DeviceLoader, build_policy, build_trainer, data_shard, finish,
-                             pair_loader, preference_pairs, sampling, to_device, total_steps)
+from stages.common import Dist, StageError, load_model, parse_spec
+from stages.recipe import Plan, Session, run_training
+from stages.training import DeviceLoader, pair_loader, preference_pairs, sampling, to_device
 
 log = logging.getLogger("posttrain.dpo")
 
@@ -98,7 +96,7 @@ def reward_accuracy(model, pairs: list[PreferencePair], objective, cfg: DPOConfi
     from core.data.packing import collate_preference
 
     sums: dict[str, float] = {}
-    rank, world = data_shard(d)
+    rank, world = d.data_shard
     mine = list(range(len(pairs)))[rank::world]
     # Every rank runs as many forwards as rank 0 (parallel layouts communicate inside them): a
     # rank out of pairs scores pair 0 again, with weight 0.
@@ -117,37 +115,53 @@ def reward_accuracy(model, pairs: list[PreferencePair], objective, cfg: DPOConfi
     return {f"val/{k.split('/', 1)[1]}": totals[i] / max(totals[-1], 1.0) for i, k in enumerate(keys)}
 
 
-def run(cfg: DPOConfig) -> dict:
-    d = init_distributed(cfg.reliability.collective_timeout_s)
-    out = Path(cfg.output_dir or "dpo")
-    if cfg.pairs == "on_policy" and cfg.parallel.tp > 1:
-        raise StageError(f"dpo: pairs='on_policy' samples with a KV cache, which tensor parallelism does not support "
-                         f"yet; set parallel.tp=1 (parallel.tp={cfg.parallel.tp}) or pairs='offline'")
-    model, tok, upstream, d = build_policy(cfg, d)  # d: now with the mesh
-    train_rows = [r for _, r in preference_pairs(cfg.data.sources, "train")]
-    val_pairs = [p for p, _ in preference_pairs(cfg.data.sources, "val")]
-    with stage_run(cfg, "dpo", d.is_main) as run_:
+def reference_model(cfg: DPOConfig, d: Dist):
+    """reference='model': a frozen copy of the starting policy, loaded again from cfg.model and
+    kept whole on every rank (the policy itself may be sharded or split)."""
+    ref, _ = load_model(cfg.model, d.device, cfg.seed)
+    return ref.requires_grad_(False).eval()
+
+
+def live_reference(policy, ref_model=None):
+    """Reference log-probs computed with every batch: by `ref_model`, or by the policy with its
+    adapters disabled (the LoRA base)."""
+
+    @torch.no_grad()
+    def reference(batch):
+        if ref_model is not None:
+            return pair_logps(ref_model, batch)[0]
+        with disable_adapter(policy):
+            return pair_logps(policy, batch)[0]
+
+    return reference
+
+
+class DPO:
+    name = "dpo"
+
+    def setup(self, s: Session) -> Plan:
+        cfg, d, model, tok = s.cfg, s.dist, s.model, s.tok
+        if cfg.pairs == "on_policy" and cfg.parallel.tp > 1:
+            raise StageError(f"dpo: pairs='on_policy' samples with a KV cache, which tensor parallelism does not "
+                             f"support yet; set parallel.tp=1 (parallel.tp={cfg.parallel.tp}) or pairs='offline'")
+        train_data = preference_pairs(cfg.data.sources, "train")
+        val_pairs = [p for p, _ in preference_pairs(cfg.data.sources, "val")]
         if cfg.pairs == "on_policy":
             t0 = time.time()
-            budget = (cfg.max_steps or len(train_rows)) * cfg.data.micro_batch_size * cfg.optim.grad_accum_steps
-            pairs = on_policy_pairs(model, tok, train_rows[: max(budget // 2, 1)], cfg, d)
-            run_.log_metrics({"on_policy/pairs": len(pairs), "on_policy/seconds": time.time() - t0}, step=0)
+            budget = (cfg.max_steps or len(train_data)) * cfg.data.micro_batch_size * cfg.optim.grad_accum_steps
+            pairs = on_policy_pairs(model, tok, [r for _, r in train_data[: max(budget // 2, 1)]], cfg, d)
+            s.run.log_metrics({"on_policy/pairs": len(pairs), "on_policy/seconds": time.time() - t0}, step=0)
         else:
-            pairs = [PreferencePair(r["prompt_ids"], r["chosen_ids"], r["chosen_ids"], r["rejected_ids"],
-                                    r["rejected_ids"]) for r in train_rows]
+            pairs = [p for p, _ in train_data]
         if not pairs:
-            raise SystemExit("dpo: no preference pairs (on-policy sampling found none that differ)")
+            raise StageError("dpo: no preference pairs (on-policy sampling found none that differ)")
 
-        ref_train = ref_val = None
-        reference = None
-        if cfg.loss_type != "simpo":
-            if cfg.reference == "disable_adapter":
-                def reference(batch):
-                    with torch.no_grad(), disable_adapter(model):
-                        return pair_logps(model, batch)[0]
-            else:
-                ref_train = reference_logps(model, pairs, cfg, d, out / "reference")
-                ref_val = reference_logps(model, val_pairs, cfg, d, out / "reference") if val_pairs else None
+        ref_train = ref_val = reference = None
+        if cfg.loss_type != "simpo" and cfg.reference == "precomputed":
+            ref_train = reference_logps(model, pairs, cfg, d, s.out / "reference")
+            ref_val = reference_logps(model, val_pairs, cfg, d, s.out / "reference") if val_pairs else None
+        elif cfg.loss_type != "simpo":  # simpo is reference-free
+            reference = live_reference(model, reference_model(cfg, d) if cfg.reference == "model" else None)
 
         def attach_ref(units: list[int], batch: dict) -> None:
             if ref_train is not None:
@@ -156,31 +170,15 @@ def run(cfg: DPOConfig) -> dict:
         objective = dpo_objective(cfg.beta, cfg.loss_type, cfg.label_smoothing, cfg.simpo_gamma, cfg.sft_weight,
                                   reference=reference)
         train = DeviceLoader(pair_loader(pairs, cfg, d, epochs=cfg.epochs, extra=attach_ref), d.device)
-        steps = total_steps(cfg, len(train))
-        trainer = build_trainer(model, cfg, d, steps)
-        manager = CheckpointManager.from_config(out / "checkpoints", cfg.checkpoint, trainable_only=cfg.lora.enabled,
-                                                config=cfg.model_dump(mode="json"))
 
         def validate() -> dict[str, float]:
             return reward_accuracy(model, val_pairs, objective, cfg, d, ref_val) if val_pairs else {}
 
-        before = validate()
-        run_.log_metrics({f"{k}_initial": v for k, v in before.items()}, step=0)
-        with progress(steps, "dpo", d.is_main) as advance:
-            last = fit(trainer, train, objective, max_steps=steps, grad_accum=cfg.optim.grad_accum_steps,
-                       manager=manager, resume=cfg.checkpoint.resume, log_every=cfg.tracking.log_every,
-                       on_metrics=run_.log_metrics, evaluate=validate, eval_every=cfg.eval_interval,
-                       advance=lambda n, **kw: advance(n, **kw),
-                       reliability=Reliability.from_config(cfg.reliability, out / "watchdog"))
-        manager.close()
-        metrics = {"train/loss": last.get("loss"), "steps": trainer.step, "train_pairs": len(pairs),
-                   **{k: v for k, v in last.items() if k.startswith("val/")},
-                   **{f"{k}_initial": v for k, v in before.items()}}
-        manifest = finish("dpo", model, tok, cfg, out, d, run_, metrics,
-                          inputs={"model": (upstream or {}).get("digest", cfg.model.name_or_path)},
-                          step=trainer.step)
-    close_distributed()
-    return manifest or {}
+        return Plan(train, objective, validate, summary=lambda: {"train_pairs": len(pairs)})
+
+
+def run(cfg: DPOConfig) -> dict:
+    return run_training(DPO(), cfg)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,7 @@
 """Evaluation: batched KV-cache generation on the held-out prompts, exact match against the
 task's verifier, perplexity on held-out responses, a table of samples, and the delta against
-the models given in `compare_to`. Prompts are split over the data-parallel ranks.
+the models given in `compare_to`. Prompts are split over the data-parallel ranks (`parallel`:
+data parallelism only, on its device and backend; each rank holds the whole model).
 
     torchrun --nproc-per-node 2 -m stages.evaluate --config spec.json
 """
@@ -15,14 +16,13 @@ from typing import Any
 import torch
 
 from core.config import EvalConfig, ModelConfig
-from core.manifest import write_manifest
+from core.manifest import digest, write_manifest
 from core.model.generate import SamplingParams, generate
 from core.objectives import sft_objective
 from core.tasks import verify
-from stages.common import (Dist, close_distributed, dump_json, init_distributed, load_model, load_tokenizer,
-                           parse_spec, progress, stage_run)
+from stages.common import (Dist, StageError, close_distributed, data_files, dump_json, load_model, load_tokenizer,
+                           parse_spec, progress, stage_run, start_distributed)
 from stages.training import DeviceLoader, doc_loader, mean_loss, read_parquet, sft_documents
-from stages.common import data_files
 
 log = logging.getLogger("posttrain.evaluate")
 
@@ -42,15 +42,17 @@ def evaluate_model(model_path: str, cfg: EvalConfig, rows: list[dict[str, Any]],
     model.eval()
     tok = load_tokenizer(cfg.model.tokenizer, model_path, *cfg.data.sources)
     mine = rows[d.rank :: d.world]
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                            stop_token_ids=tuple(tok.eos_ids), seed=cfg.seed + d.rank)
     correct = total = 0.0
     samples = []
     for i in range(0, len(mine), cfg.batch_size):
         chunk = mine[i : i + cfg.batch_size]
         prompts = [tok.apply_chat_template([m for m in r["messages"] if m["role"] != "assistant"],
                                            add_generation_prompt=True) for r in chunk]
-        for _ in range(cfg.num_samples):
+        for k in range(cfg.num_samples):
+            # Each (rank, batch, repetition) draws its own stream: the samples of a prompt differ.
+            params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                    top_p=cfg.top_p, stop_token_ids=tuple(tok.eos_ids),
+                                    seed=sample_seed(cfg.seed, d.rank, i, k))
             for r, g in zip(chunk, generate(model, prompts, params, pad_id=tok.pad_id or 0)):
                 text = tok.decode(g.tokens, skip_special_tokens=True)
                 ok = verify(r["answer"], text)
@@ -70,13 +72,21 @@ def evaluate_model(model_path: str, cfg: EvalConfig, rows: list[dict[str, Any]],
     return metrics, samples
 
 
+def sample_seed(seed: int, rank: int, batch: int, repetition: int) -> int:
+    """A sampling seed per (stage seed, rank, batch start, repetition), stable across runs."""
+    return int(digest([seed, rank, batch, repetition])[:15], 16)
+
+
 def run(cfg: EvalConfig) -> dict:
-    d = init_distributed()
+    from kernels.dispatch import set_mode
+
+    set_mode(cfg.model.kernels)
+    d = start_distributed(cfg.parallel)
     out = Path(cfg.output_dir or "evaluate")
     out.mkdir(parents=True, exist_ok=True)
     rows = eval_rows(cfg)
     if not rows:
-        raise SystemExit(f"evaluate: no {cfg.split!r} rows in {cfg.data.sources}")
+        raise StageError(f"evaluate: no {cfg.split!r} rows in {cfg.data.sources}")
     targets = {"model": cfg.model.name_or_path, **{f"compare/{Path(c).name}": c for c in cfg.compare_to}}
     results: dict[str, dict[str, float]] = {}
     with stage_run(cfg, "evaluate", d.is_main) as run_, progress(len(rows) * len(targets), "evaluate",

@@ -1,12 +1,10 @@
-"""Setup shared by the training stages (SFT, distillation, DPO): model + LoRA, data loaders,
-trainer, checkpoints, validation, export. Each stage composes these in its own `main`.
+"""The pieces training stages share beside the skeleton (stages/recipe.py): data readers and
+loaders, sampling from a sharded policy, validation loss, and export.
 
-Parallelism: on more than one process `build_policy` builds the mesh from `cfg.parallel` and
-applies core.parallel.parallelize (FSDP2 by default, DDP with dp_replicate, HSDP, TP with or
-without sequence parallelism, and TP x FSDP); the returned ParallelDist carries the mesh. Data
-is dealt by data-parallel rank (tp ranks read the same batches), files are written by global
-rank 0, and every rank runs the same number of forwards (FSDP and TP communicate inside them).
-One process keeps the plain model: no mesh, no process group.
+Under a mesh (stages.recipe.parallelize_policy: FSDP2, DDP, HSDP, TP with or without sequence
+parallelism, TP x FSDP) data is dealt by data-parallel rank (tp ranks read the same batches),
+files are written by global rank 0, and every rank runs the same number of forwards (FSDP and TP
+communicate inside them). One process keeps the plain model: no mesh, no process group.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,10 +26,8 @@ from core.data.sampler import BatchSampler, StatefulLoader
 from core.lora import apply_lora, merged_state_dict
 from core.manifest import is_stage_dir
 from core.model import Transformer
-from core.parallel import ParallelDims, ParallelMesh, full_state_dict, init_distributed, parallelize
-from core.parallel.data_parallel import apply_activation_checkpointing, apply_compile
-from core.trainer import Trainer
-from stages.common import Dist, StageError, data_files, load_model, load_tokenizer
+from core.parallel import full_state_dict
+from stages.common import Dist, data_files
 
 log = logging.getLogger("posttrain.training")
 
@@ -74,20 +69,8 @@ def preference_pairs(sources: list[str], split: str) -> list[tuple[PreferencePai
     return out
 
 
-@dataclass
-class ParallelDist(Dist):
-    """The stage's Dist once its policy is parallelized: the mesh (None on one process)."""
-
-    mesh: ParallelMesh | None = None
-
-    @property
-    def data_shard(self) -> tuple[int, int]:
-        """(this rank's shard, shards) of the data: tp ranks read the same batches."""
-        return (self.mesh.local_rank("dp"), self.mesh.size("dp")) if self.mesh is not None else (self.rank, self.world)
-
-
 def data_shard(d: Dist) -> tuple[int, int]:
-    return d.data_shard if isinstance(d, ParallelDist) else (d.rank, d.world)
+    return d.data_shard
 
 
 class LockstepLoader(StatefulLoader):
@@ -113,7 +96,7 @@ def doc_loader(docs: list[Document], data: DataConfig, d: Dist, epochs: int | No
     sampler = BatchSampler([len(x) for x in docs], batch_tokens=data.batch_tokens or data.max_seq_len,
                            rank=rank, world_size=world, seed=data.seed, num_epochs=epochs,
                            shuffle=not evaluation, drop_last=not evaluation)
-    lockstep = evaluation and isinstance(d, ParallelDist) and d.mesh is not None
+    lockstep = evaluation and d.mesh is not None
     return (LockstepLoader if lockstep else StatefulLoader)(
         sampler, lambda units: collate_padding_free([docs[i] for i in units]))
 
@@ -156,60 +139,6 @@ class DeviceLoader:
         self.loader.load_state_dict(s)
 
 
-def build_policy(cfg: TrainStageConfig, d: Dist):
-    """The model being trained (LoRA applied when enabled, then parallelized over cfg.parallel),
-    its tokenizer, upstream manifest, and the ParallelDist the rest of the stage uses."""
-    torch.manual_seed(cfg.seed)
-    model, upstream = load_model(cfg.model, d.device, cfg.seed)
-    tok = load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, *cfg.data.sources)
-    if tok.vocab_size > model.args.vocab_size:
-        raise StageError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab is {model.args.vocab_size}")
-    if cfg.lora.enabled:
-        apply_lora(model, cfg.lora)
-    return model, tok, upstream, parallelize_policy(model, cfg, d)
-
-
-def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> ParallelDist:
-    """Apply cfg.parallel to the policy in place (core.parallel.parallelize); the layout is
-    checked against the world and the model before any group is made."""
-    p = cfg.parallel
-    for key in ("pp", "cp", "ep"):
-        if getattr(p, key) > 1:
-            raise StageError(f"parallel.{key}={getattr(p, key)}: the training stages support data parallelism "
-                             f"(FSDP, DDP, HSDP) and tensor parallelism only; set parallel.{key}=1")
-    try:
-        dims = ParallelDims.from_config(p, d.world, model.args)
-    except ValueError as e:
-        raise StageError(f"parallel: {e}") from None
-    if d.world == 1:  # no mesh (it would need a process group): only parallelize's model-local steps
-        if cfg.model.activation_checkpointing:
-            apply_activation_checkpointing(list(model.layers))
-        if cfg.model.compile:
-            apply_compile(list(model.layers))
-        return ParallelDist(d.rank, d.world, d.local_rank, d.device)
-    if cfg.lora.quantize_base and (dims.fsdp or dims.tp > 1):
-        raise StageError(f"lora.quantize_base={cfg.lora.quantize_base!r} (QLoRA) cannot be sharded (FSDP) or split "
-                         f"(tp); replicate it instead: parallel.dp_replicate={d.world}, parallel.tp=1")
-    mesh, device = init_distributed(p, model.args, cfg.reliability.collective_timeout_s)
-    if device.type != d.device.type:
-        raise StageError(f"parallel.device={p.device!r} but the stage runs on {d.device.type}")
-    parallelize(model, p, mesh, activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile)
-    log.info("parallelized over %s", mesh)
-    return ParallelDist(d.rank, d.world, d.local_rank, d.device, mesh=mesh)
-
-
-def build_trainer(model, cfg: TrainStageConfig, d: ParallelDist, total_steps: int) -> Trainer:
-    """The Trainer for the policy's layout (the optimizer is made here, after parallelizing)."""
-    autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and d.device.type == "cuda" else None
-    if d.mesh is None:
-        return Trainer(model, cfg.optim, total_steps, autocast_dtype=autocast)
-    # Tokens are distinct across dp x cp ranks (tp ranks share them), and FSDP / DDP average
-    # the gradients over exactly those ranks; MoE layers route a share of the tokens on each tp rank.
-    dims = d.mesh.dims
-    return Trainer(model, cfg.optim, total_steps, autocast_dtype=autocast, dp_group=d.mesh.group("dp_cp"),
-                   grads_are_averaged=dims.fsdp or dims.ddp, stats_group=d.mesh.group("dp_cp_tp"))
-
-
 @contextlib.contextmanager
 def sampling(model, cfg: ParallelConfig):
     """Around token-by-token generation from the policy. Under FSDP each unit is gathered once
@@ -231,15 +160,6 @@ def sampling(model, cfg: ParallelConfig):
         # after forward as FSDP does by default (backward needs them at once).
         model.set_reshard_after_forward(cfg.fsdp_reshard_after_forward != "never")
         model.set_reshard_after_forward(False, recurse=False)
-
-
-def total_steps(cfg: TrainStageConfig, batches_per_epoch: int) -> int:
-    by_epochs = cfg.epochs * batches_per_epoch // cfg.optim.grad_accum_steps
-    steps = min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
-    if steps < 1:
-        raise StageError(f"no training step fits: {batches_per_epoch} micro-batches per epoch on this rank, "
-                         f"grad_accum_steps={cfg.optim.grad_accum_steps}")
-    return steps
 
 
 @torch.no_grad()
@@ -297,24 +217,6 @@ def gathered_copy(model, cfg: TrainStageConfig) -> Transformer | None:
     copy.tie_weights()
     copy.init_buffers()
     return copy
-
-
-def finish(stage: str, model, tok, cfg: TrainStageConfig, out: Path, d, run_, metrics: dict[str, Any],
-           inputs: dict[str, str], step: int) -> dict | None:
-    """What every training stage does last: export the model, write the manifest (rank 0), log
-    the final metrics and the manifest to the stage's run, and drop the resume checkpoints."""
-    from core.manifest import write_manifest
-
-    metrics = {k: v for k, v in metrics.items() if v is not None}
-    outputs = export(model, tok, cfg, out, d)
-    manifest = None
-    if d.is_main:
-        manifest = write_manifest(out, stage, outputs, metrics=metrics, config=cfg.model_dump(mode="json"),
-                                  inputs=inputs, extra={"mlflow_run_id": run_.run_id})
-        run_.log_metrics(metrics, step=step)
-        run_.log_artifact(str(out / "manifest.json"))
-    clear_checkpoints(out, d)
-    return manifest
 
 
 def clear_checkpoints(out: Path, d: Dist) -> None:

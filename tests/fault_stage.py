@@ -140,7 +140,7 @@ def train(out: str | Path, steps: int = 8, save_every: int = 2, *, seed: int = 0
           collective_timeout: float = 120.0, grace: float = 30.0, spike_zscore: float = 6.0,
           spike_window: int = 8, max_bad_steps: int = 3, preemption: bool = True) -> dict[str, Any]:
     """Run the job (resuming from <out>/checkpoints); returns the final step and rank 0's events."""
-    from stages.common import init_distributed
+    from stages.common import start_distributed
 
     torch.set_num_threads(1)  # bit-exact comparisons between runs need the same reduction order
     torch.use_deterministic_algorithms(True)
@@ -149,7 +149,7 @@ def train(out: str | Path, steps: int = 8, save_every: int = 2, *, seed: int = 0
     rel_cfg = ReliabilityConfig(spike_zscore=spike_zscore, spike_window=spike_window, max_bad_steps=max_bad_steps,
                                 hang_timeout_s=hang_timeout, collective_timeout_s=collective_timeout,
                                 preempt_grace_s=grace)
-    d = init_distributed(rel_cfg.collective_timeout_s)
+    d = start_distributed(timeout_s=rel_cfg.collective_timeout_s)
     trainer = make_trainer(steps, seed)
     loader = make_loader(d.rank, d.world, seed)
     faults = Faults(out, d.rank)

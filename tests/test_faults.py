@@ -127,9 +127,9 @@ def _collective_timeout_rank(rank: int, port: int, out) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from core.reliability import all_reduce
-    from stages.common import init_distributed
+    from stages.common import start_distributed
 
-    init_distributed(timeout_s=3.0)
+    start_distributed(timeout_s=3.0)
     if rank == 1:
         time.sleep(60)  # never joins the all-reduce; the parent kills it
         return

@@ -31,6 +31,7 @@ STEPS = 4
 # (rank 0) instead of MLflow.
 RECORDER = """
 import contextlib, json, os, sys
+import stages.recipe as recipe
 import stages.sft as sft
 
 class Run:
@@ -42,7 +43,7 @@ class Run:
     def __getattr__(self, name):
         return lambda *args, **kwargs: None
 
-sft.stage_run = lambda *args, **kwargs: contextlib.nullcontext(Run())
+recipe.stage_run = lambda *args, **kwargs: contextlib.nullcontext(Run())
 sft.main(sys.argv[1:])
 """
 
@@ -60,7 +61,7 @@ def optim(grad_accum: int) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Data prep, then SFT in this process (world 1) with 2 micro-batches per step: (dir, metrics)."""
-    from stages import sft
+    from stages import recipe, sft
     from stages.data_prep import prepare
 
     root = tmp_path_factory.mktemp("stage_parallel")
@@ -77,7 +78,7 @@ def reference(tmp_path_factory):
             return lambda *args, **kwargs: None
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sft, "stage_run", lambda *args, **kwargs: contextlib.nullcontext(Run()))
+        mp.setattr(recipe, "stage_run", lambda *args, **kwargs: contextlib.nullcontext(Run()))
         sft.run(sft_config(root, "ref", optim=optim(2)))
     return root, records
 

@@ -126,3 +126,96 @@ def test_malformed_input_fails_naming_file_and_line(prepared, tmp_path):
     assert not result.ok
     log = Path(result.log_file).read_text()
     assert "bad.jsonl line 2" in log and "messages[0].role" in log
+
+
+def test_dpo_reference_model_is_a_frozen_copy_of_the_start(prepared):
+    """reference='model' runs a separate frozen copy of the starting policy. With LoRA (B = 0 at
+    the start) that copy computes what the adapter-disabled base computes, so both runs train
+    identically; without LoRA (full fine-tuning) it is the only live reference and still works."""
+    from stages.dpo import run
+
+    def dpo(name, **kw):
+        cfg = DPOConfig(output_dir=str(prepared / name), model={"name_or_path": str(prepared / "student")},
+                        data={"sources": [str(prepared / "data")], "micro_batch_size": 8}, tracking=OFF,
+                        max_steps=4, eval_interval=0, optim={"lr": 5e-3, "warmup_steps": 1}, **kw)
+        return run(cfg)["metrics"]
+
+    base = dpo("dpo-ref-base", reference="disable_adapter")
+    copy = dpo("dpo-ref-copy", reference="model")
+    assert copy["train/loss"] == pytest.approx(base["train/loss"], rel=1e-5)
+    assert copy["val/margin"] == pytest.approx(base["val/margin"], rel=1e-4, abs=1e-6)
+    full = dpo("dpo-ref-full", reference="model", lora={"enabled": False}, save="full")
+    assert full["val/accuracy"] >= full["val/accuracy_initial"] and full["val/margin"] > full["val/margin_initial"]
+
+
+def test_training_stages_report_throughput_and_step_phases(prepared):
+    """Every training stage logs tokens/s and the step-time breakdown (the skeleton's meter)."""
+    m = json.loads((prepared / "student" / "manifest.json").read_text())["metrics"]
+    assert m["tokens_per_s"] > 0 and m["tokens_per_s_per_device"] == m["tokens_per_s"]
+    for phase in ("data", "forward_backward", "optim_step", "evaluate"):
+        assert 0 < m[f"time/{phase}_frac"] < 1, phase
+    assert m["time/forward_backward_frac"] + m["time/optim_step_frac"] + m["time/data_frac"] < 1.0001
+    assert "mfu" not in m  # no known peak FLOP/s on a CPU
+
+
+def test_mfu_is_reported_against_a_known_peak():
+    import torch
+
+    from core.model import get_preset
+    from core.monitor import ThroughputMeter, flops_per_token
+
+    fpt = flops_per_token(get_preset("debug"), 128)
+    meter = ThroughputMeter(fpt, torch.device("cpu"), world_size=2, peak=1e12)
+    meter.add_tokens(1000)
+    with meter.phase("teacher"):
+        pass
+    out = meter.report()
+    assert out["tokens_per_s"] == pytest.approx(2 * out["tokens_per_s_per_device"])
+    assert out["mfu"] == pytest.approx(out["tokens_per_s_per_device"] * fpt / 1e12)
+    assert 0 <= out["time/teacher_frac"] < 1
+    assert meter.totals()["tokens_per_s"] < out["tokens_per_s"] * 10  # the run's totals keep counting
+
+
+def test_evaluation_samples_differ_across_repetitions(prepared):
+    """num_samples > 1 draws each repetition from its own seed (it reused one, repeating a sample)."""
+    from core.config import EvalConfig
+    from stages.evaluate import run
+
+    out = prepared / "eval-samples"
+    run(EvalConfig(output_dir=str(out), model={"name_or_path": str(prepared / "student")}, compare_to=[],
+                   data={"sources": [str(prepared / "data")]}, tracking=OFF, max_examples=4, num_samples=3,
+                   temperature=1.0, max_new_tokens=8))
+    samples = json.loads((out / "samples.json").read_text())
+    by_prompt: dict[str, list[str]] = {}
+    for s in samples:
+        by_prompt.setdefault(s["prompt"], []).append(s["completion"])
+    assert all(len(v) == 3 for v in by_prompt.values()) and by_prompt
+    assert any(len(set(v)) > 1 for v in by_prompt.values())
+
+
+def test_evaluation_refuses_model_parallel_layouts():
+    from core.config import ConfigError, EvalConfig, load_config
+
+    with pytest.raises(ConfigError, match="parallel.tp=2: evaluation splits the examples"):
+        load_config(EvalConfig, overrides=["parallel.tp=2"])
+
+
+def test_parallel_backend_is_the_process_groups(monkeypatch):
+    """ParallelConfig.backend decides the process group's backend (it was read after the group
+    existed); 'nccl' without CUDA is refused before any group."""
+    import torch.distributed as dist
+
+    from core.config import ParallelConfig
+    from core.parallel.mesh import init_process_group
+    from stages.common import StageError, start_distributed
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(StageError, match="backend='nccl' needs CUDA"):
+        start_distributed(ParallelConfig(backend="nccl", device="cpu"))
+    assert not dist.is_initialized()
+    try:
+        init_process_group(ParallelConfig(backend="gloo"), always=True)
+        assert dist.get_backend() == "gloo"
+    finally:
+        dist.destroy_process_group()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -191,25 +190,37 @@ def pick_device(cfg: ParallelConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(cfg: ParallelConfig, model: ModelArgs | None = None,
-                     timeout_s: float | None = None) -> tuple[ParallelMesh, torch.device]:
-    """Validate the layout for this world, then start the process group (if the caller has not)
-    and build the mesh. gloo on CPU, nccl on CUDA unless `cfg.backend` says otherwise;
-    timeout_s: the collective timeout (ReliabilityConfig.collective_timeout_s)."""
+def init_process_group(cfg: ParallelConfig, timeout_s: float | None = None,
+                       always: bool = False) -> tuple[TorchrunEnv, torch.device]:
+    """Join torchrun's process group: the one place posttrain makes one. The backend is
+    `cfg.backend` ('auto': nccl on CUDA, gloo elsewhere), on `cfg.device`; `timeout_s` is the
+    collective timeout (ReliabilityConfig.collective_timeout_s), and torch's flight recorder is
+    on (core.reliability.prepare_process_group). A single process gets no group unless `always`."""
+    from core.reliability import prepare_process_group
+
     env = TorchrunEnv.read()
-    dims = ParallelDims.from_config(cfg, env.world_size, model)  # raises before any process group
     device = pick_device(cfg, env.local_rank)
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("backend='nccl' needs CUDA devices; use gloo on CPU")
-    if not dist.is_initialized():
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size:
+            raise ValueError(f"the process group has {dist.get_world_size()} ranks but WORLD_SIZE={env.world_size}")
+    elif env.world_size > 1 or always:
         if "MASTER_ADDR" not in os.environ and env.world_size == 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kw)
-    elif dist.get_world_size() != env.world_size:
-        raise ValueError(f"the process group has {dist.get_world_size()} ranks but WORLD_SIZE={env.world_size}")
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                **prepare_process_group(timeout_s))
+    return env, device
+
+
+def init_distributed(cfg: ParallelConfig, model: ModelArgs | None = None,
+                     timeout_s: float | None = None) -> tuple[ParallelMesh, torch.device]:
+    """Validate the layout for this world (against `model` when given), then join the process
+    group (init_process_group; also for one process) and build the mesh."""
+    dims = ParallelDims.from_config(cfg, TorchrunEnv.read().world_size, model)  # raises before any group
+    _, device = init_process_group(cfg, timeout_s, always=True)
     return ParallelMesh(dims, device.type), device
 
 

@@ -1,0 +1,229 @@
+"""The training-stage skeleton: setup -> train -> finish, the same for SFT, distillation and DPO.
+
+A training stage is an object with a `name` and one method, `setup(session) -> Plan`: from the
+policy the skeleton built (model with LoRA, parallelized; tokenizer; upstream manifest) it makes
+its data loader, objective and validation. `run_training` does everything else, once, for
+every stage (torchtune's recipe shape; stages share no base class):
+
+    session = open_session(name, cfg)   # process group, policy (+ LoRA, parallel layout), tokenizer
+    plan = stage.setup(session)          # the algorithm: loader, objective, validate, inputs
+    train(session, plan)                 # Trainer + CheckpointManager + core.loop.fit + throughput meter
+    finish(session, plan, ...)           # export HF model / PEFT adapter, manifest, final metrics
+
+Metrics every stage logs: the trainer's (loss, grad_norm, lr, tokens), the throughput meter's
+(tokens_per_s, mfu where the device's peak is known, time/<phase>_frac for data,
+forward_backward, optim_step, evaluate, checkpoint and any phase the stage times, such as the
+teacher), validation as `val/*` with `val/*_initial` before training, and the plan's summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+
+from core.checkpoint import CheckpointManager
+from core.config import TrainStageConfig
+from core.lora import apply_lora
+from core.loop import fit
+from core.model import Transformer
+from core.monitor import ThroughputMeter, flops_per_token
+from core.parallel import ParallelDims, ParallelMesh, parallelize
+from core.parallel.data_parallel import apply_activation_checkpointing, apply_compile
+from core.reliability import Reliability
+from core.trainer import Objective, Trainer
+from stages.common import Dist, StageError, close_distributed, load_model, load_tokenizer, progress, stage_run
+from stages.training import clear_checkpoints, export
+
+log = logging.getLogger("posttrain.recipe")
+
+
+@dataclass
+class Session:
+    """What a training stage's setup gets: its config, the process layout, the policy."""
+
+    name: str
+    cfg: TrainStageConfig
+    dist: Dist
+    out: Path
+    model: Transformer
+    tok: Any  # registry.tokenizer.Tokenizer
+    upstream: dict | None  # the manifest of the stage the policy came from
+    run: Any = None  # the stage's MLflow run (core.tracking.Tracker or NullTracker)
+    meter: ThroughputMeter | None = None  # started when training starts: earlier phases do not count
+
+    def phase(self, name: str):
+        """Time a part of the step (e.g. the teacher's forwards) into the throughput meter."""
+        return self.meter.phase(name)
+
+
+@dataclass
+class Plan:
+    """A training stage's algorithm: what the skeleton trains on, with, and validates."""
+
+    loader: Any  # a StatefulLoader (state_dict / load_state_dict) yielding batches on the device
+    objective: Objective
+    validate: Callable[[], dict[str, float]] = dict  # "val/*" metrics on held-out data
+    inputs: dict[str, str] = field(default_factory=dict)  # manifest inputs (digests) beyond the model
+    summary: Callable[[], dict[str, float]] = dict  # stage-specific final metrics
+
+
+class TrainingStage(Protocol):
+    name: str
+
+    def setup(self, session: Session) -> Plan: ...
+
+
+def run_training(stage: TrainingStage, cfg: TrainStageConfig) -> dict:
+    """setup -> train -> finish; returns the manifest (rank 0) or {}."""
+    session = open_session(stage.name, cfg)
+    try:
+        with stage_run(cfg, stage.name, session.dist.is_main) as run_:
+            session.run = run_
+            plan = stage.setup(session)
+            last, before, seconds = train(session, plan)
+            manifest = finish(session, plan, last, before, seconds)
+    finally:
+        close_distributed()
+    return manifest or {}
+
+
+# ------------------------------------------------------------------------------------------- setup
+
+def open_session(name: str, cfg: TrainStageConfig) -> Session:
+    """Join the process group, load the policy (LoRA applied when enabled), check the tokenizer,
+    and apply cfg.parallel (validated against the world and the model before any group is made)."""
+    from kernels.dispatch import set_mode
+
+    set_mode(cfg.model.kernels)
+    d = start_layout(cfg)
+    torch.manual_seed(cfg.seed)
+    model, upstream = load_model(cfg.model, d.device, cfg.seed)
+    tok = load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, *cfg.data.sources)
+    if tok.vocab_size > model.args.vocab_size:
+        raise StageError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab is {model.args.vocab_size}")
+    if cfg.lora.enabled:
+        apply_lora(model, cfg.lora)
+    d.mesh = parallelize_policy(model, cfg, d)
+    s = Session(name, cfg, d, Path(cfg.output_dir or name), model, tok, upstream)
+    s.meter = make_meter(s)
+    return s
+
+
+def start_layout(cfg: TrainStageConfig) -> Dist:
+    """The process group for cfg.parallel, after the checks that need no model."""
+    from stages.common import start_distributed
+
+    p = cfg.parallel
+    for key in ("pp", "cp", "ep"):
+        if getattr(p, key) > 1:
+            raise StageError(f"parallel.{key}={getattr(p, key)}: the training stages support data parallelism "
+                             f"(FSDP, DDP, HSDP) and tensor parallelism only; set parallel.{key}=1")
+    return start_distributed(p, cfg.reliability.collective_timeout_s)
+
+
+def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> ParallelMesh | None:
+    """Apply cfg.parallel to the policy in place (core.parallel.parallelize); the mesh, or None
+    on one process (no mesh: only parallelize's model-local steps)."""
+    p = cfg.parallel
+    try:
+        dims = ParallelDims.from_config(p, d.world, model.args)
+    except ValueError as e:
+        raise StageError(f"parallel: {e}") from None
+    if d.world == 1:
+        if cfg.model.activation_checkpointing:
+            apply_activation_checkpointing(list(model.layers))
+        if cfg.model.compile:
+            apply_compile(list(model.layers))
+        return None
+    if cfg.lora.quantize_base and (dims.fsdp or dims.tp > 1):
+        raise StageError(f"lora.quantize_base={cfg.lora.quantize_base!r} (QLoRA) cannot be sharded (FSDP) or split "
+                         f"(tp); replicate it instead: parallel.dp_replicate={d.world}, parallel.tp=1")
+    mesh = ParallelMesh(dims, d.device.type)
+    parallelize(model, p, mesh, activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile)
+    log.info("parallelized over %s", mesh)
+    return mesh
+
+
+def build_trainer(s: Session, total_steps: int) -> Trainer:
+    """The Trainer for the policy's layout (the optimizer is made here, after parallelizing)."""
+    cfg, d = s.cfg, s.dist
+    autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and d.device.type == "cuda" else None
+    if d.mesh is None:
+        return Trainer(s.model, cfg.optim, total_steps, autocast_dtype=autocast)
+    # Tokens are distinct across dp x cp ranks (tp ranks share them), and FSDP / DDP average
+    # the gradients over exactly those ranks; MoE layers route a share of the tokens on each tp rank.
+    dims = d.mesh.dims
+    return Trainer(s.model, cfg.optim, total_steps, autocast_dtype=autocast, dp_group=d.mesh.group("dp_cp"),
+                   grads_are_averaged=dims.fsdp or dims.ddp, stats_group=d.mesh.group("dp_cp_tp"))
+
+
+def total_steps(cfg: TrainStageConfig, batches_per_epoch: int) -> int:
+    by_epochs = cfg.epochs * batches_per_epoch // cfg.optim.grad_accum_steps
+    steps = min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
+    if steps < 1:
+        raise StageError(f"no training step fits: {batches_per_epoch} micro-batches per epoch on this rank, "
+                         f"grad_accum_steps={cfg.optim.grad_accum_steps}")
+    return steps
+
+
+def make_meter(s: Session) -> ThroughputMeter:
+    """Tokens/s over the data-parallel ranks, and MFU from the policy's FLOPs per token."""
+    params = list(s.model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad) / max(sum(p.numel() for p in params), 1)
+    fpt = flops_per_token(s.model.args, s.cfg.data.max_seq_len, trainable_fraction=trainable)
+    return ThroughputMeter(fpt, s.dist.device, world_size=s.dist.data_shard[1])
+
+
+# ------------------------------------------------------------------------------------------- train
+
+def train(s: Session, plan: Plan) -> tuple[dict[str, float], dict[str, float], float]:
+    """Validate, fit (resuming from the stage's own checkpoints), return (last metrics, initial
+    validation, seconds)."""
+    cfg = s.cfg
+    steps = total_steps(cfg, len(plan.loader))
+    trainer = build_trainer(s, steps)
+    manager = CheckpointManager.from_config(s.out / "checkpoints", cfg.checkpoint, trainable_only=cfg.lora.enabled,
+                                            config=cfg.model_dump(mode="json"))
+    before = plan.validate()
+    s.run.log_metrics({f"{k}_initial": v for k, v in before.items()}, step=0)
+    t0 = time.time()
+    s.meter.start()
+    with progress(steps, s.name, s.dist.is_main) as advance:
+        last = fit(trainer, plan.loader, plan.objective, max_steps=steps, grad_accum=cfg.optim.grad_accum_steps,
+                   manager=manager, resume=cfg.checkpoint.resume, log_every=cfg.tracking.log_every,
+                   on_metrics=s.run.log_metrics, evaluate=plan.validate, eval_every=cfg.eval_interval,
+                   advance=advance, meter=s.meter,
+                   reliability=Reliability.from_config(cfg.reliability, s.out / "watchdog"))
+    manager.close()
+    last = {**last, "steps": trainer.step}
+    return last, before, time.time() - t0
+
+
+# ------------------------------------------------------------------------------------------ finish
+
+def finish(s: Session, plan: Plan, last: dict[str, float], before: dict[str, float], seconds: float) -> dict | None:
+    """Export the model, write the manifest (rank 0), log the final metrics and the manifest to
+    the stage's run, and drop the resume checkpoints."""
+    from core.manifest import write_manifest
+
+    d, cfg, out = s.dist, s.cfg, s.out
+    metrics = {"train/loss": last.get("loss"), "steps": last["steps"], "train/seconds": seconds,
+               **{k: v for k, v in last.items() if k.startswith("val/")},
+               **{f"{k}_initial": v for k, v in before.items()},
+               **s.meter.totals(), **plan.summary()}
+    metrics = {k: v for k, v in metrics.items() if v is not None}
+    outputs = export(s.model, s.tok, cfg, out, d)
+    manifest = None
+    if d.is_main:
+        inputs = {"model": (s.upstream or {}).get("digest", cfg.model.name_or_path), **plan.inputs}
+        manifest = write_manifest(out, s.name, outputs, metrics=metrics, config=cfg.model_dump(mode="json"),
+                                  inputs=inputs, extra={"mlflow_run_id": s.run.run_id})
+        s.run.log_metrics(metrics, step=last["steps"])
+        s.run.log_artifact(str(out / "manifest.json"))
+    clear_checkpoints(out, d)
+    return manifest
