@@ -3,7 +3,7 @@
 Layering: ModelConfig, LoRAConfig, ParallelConfig, OptimConfig, DataConfig, CheckpointConfig are
 building blocks; each stage config composes the ones it needs. Launcher and tracking defaults sit
 once in PipelineConfig; a stage may override them (`launcher: None` = the pipeline's).
-`PipelineConfig.stage(name)` returns the complete, self-contained spec a torchrun entry point gets.
+flows.dag.PipelineDAG(cfg).spec(name) is the complete, self-contained spec a torchrun entry point gets.
 Precedence: `--set` overrides > config file > defaults; the defaults describe the embedded demo.
 """
 
@@ -609,31 +609,6 @@ class PipelineConfig(_Base):
 
     def enabled_stages(self) -> list[str]:
         return [s for s in STAGES if getattr(self.stages, s)]
-
-    def upstream(self, name: str, ref: str = "init_from") -> str | None:
-        """Nearest enabled stage feeding `name` via `ref`; a disabled one passes on its own init_from."""
-        up = getattr(getattr(self, name), ref, None)
-        while up is not None and not getattr(self.stages, up):
-            up = getattr(getattr(self, up), "init_from", None)
-        return up
-
-    def stage(self, name: str) -> StageConfig:
-        """Stage `name`'s self-contained spec: output dir, launcher, tracking, upstream inputs filled."""
-        cfg = getattr(self, name).model_copy(deep=True)
-        cfg.output_dir = str(self.stage_dir(name))
-        cfg.launcher = cfg.launcher or self.launcher.model_copy(deep=True)
-        cfg.tracking = cfg.tracking or self.tracking.model_copy(deep=True)
-        if (up := self.upstream(name)) is not None:
-            cfg.model.name_or_path = str(self.stage_dir(up))
-        if isinstance(cfg, DistillConfig) and (up := self.upstream(name, "teacher_from")):
-            cfg.teacher.name_or_path = str(self.stage_dir(up))
-        if isinstance(cfg, EvalConfig):
-            cfg.compare_to = [str(self.stage_dir(c)) if c in STAGES else c for c in cfg.compare_to
-                              if c not in STAGES or getattr(self.stages, c)]
-        data = getattr(cfg, "data", None)
-        if data is not None and not data.sources and self.stages.data_prep:
-            data.sources = [str(self.stage_dir("data_prep"))]
-        return cfg
 
 
 # ---------------------------------------------------------------------------------- loading

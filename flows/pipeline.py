@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,32 +19,22 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
-from core.config import STAGE_MODULES, STAGES, PipelineConfig, dump_config, to_json_file
+from core.config import STAGE_MODULES, PipelineConfig, StageConfig, dump_config
 from core.manifest import MANIFEST, digest, is_stage_dir, read_manifest
+from flows.dag import PipelineDAG
 
 KEY_FILE = ".posttrain-cache-key"
 
 log = logging.getLogger("posttrain.flow")
 
 
-def stage_inputs(cfg: PipelineConfig, name: str) -> list[str]:
-    """The stages whose outputs stage `name` reads (the DAG's edges)."""
-    spec = cfg.stage(name)
-    paths = [getattr(getattr(spec, "model", None), "name_or_path", None),
-             getattr(getattr(spec, "teacher", None), "name_or_path", None),
-             *getattr(getattr(spec, "data", None), "sources", []),
-             *getattr(spec, "compare_to", [])]
-    dirs = {str(cfg.stage_dir(s)): s for s in STAGES}
-    return sorted({dirs[p] for p in paths if p in dirs})
-
-
-def cache_key(cfg: PipelineConfig, name: str, upstream: dict[str, str]) -> str:
+def cache_key(spec: StageConfig, name: str, upstream: dict[str, str]) -> str:
     """Digest of the stage's spec (minus what does not change its result) and of the content
     digests of the manifests it reads."""
-    spec = dump_config(cfg.stage(name))
-    spec.pop("tracking", None)
-    spec.pop("launcher", None)
-    return digest({"stage": name, "spec": spec, "inputs": upstream})
+    data = dump_config(spec)
+    data.pop("tracking", None)
+    data.pop("launcher", None)
+    return digest({"stage": name, "spec": data, "inputs": upstream})
 
 
 @dataclass
@@ -71,15 +60,15 @@ def _prepare_dir(out: Path, key: str) -> bool:
     return False
 
 
-@task(cache_policy=NO_CACHE, log_prints=True)
-def run_stage(cfg: PipelineConfig, name: str, upstream: dict[str, str], parent_run_id: str | None) -> StageResult:
-    """Launch stage `name` unless its cached result is current; returns its manifest summary."""
+@task(cache_policy=NO_CACHE, log_prints=True, task_run_name="{name}")
+def run_stage(spec: StageConfig, name: str, upstream: dict[str, str], parent_run_id: str | None) -> StageResult:
+    """Launch stage `name` with its resolved `spec` unless its cached result is current; returns
+    its manifest summary. `upstream`: the content digests of the stages it reads."""
     from stages.launch import launch_stage
 
     logger = get_run_logger()
-    spec = cfg.stage(name)
     out = Path(spec.output_dir)
-    key = cache_key(cfg, name, upstream)
+    key = cache_key(spec, name, upstream)
     if _prepare_dir(out, key):
         m = read_manifest(out)
         logger.info("%s: inputs and config unchanged, using %s (cached)", name, out)
@@ -128,12 +117,12 @@ def post_training(config: PipelineConfig) -> PipelineResult:
     results: dict[str, StageResult] = {}
     delays = [cfg.retry_delay_s * 3**i for i in range(cfg.stage_retries)]
     stage_task = run_stage.with_options(retries=cfg.stage_retries, retry_delay_seconds=delays or 0)
+    dag = PipelineDAG(cfg)
     try:
-        for name in cfg.enabled_stages():
-            deps = stage_inputs(cfg, name)
+        for name in dag.nodes:  # in pipeline order, so every input is submitted before its readers
             # Submit as soon as the inputs are known; independent stages (the two SFTs) overlap.
-            upstream = {d: futures[d].result().digest for d in deps if d in futures}
-            futures[name] = stage_task.submit(cfg, name, upstream, parent_id)
+            upstream = {d: futures[d].result().digest for d in dag.inputs(name)}
+            futures[name] = stage_task.submit(dag.spec(name), name, upstream, parent_id)
         for name, fut in futures.items():
             results[name] = fut.result()
             parent.log_metrics({f"{name}/{k}": v for k, v in results[name].metrics.items()
@@ -142,7 +131,7 @@ def post_training(config: PipelineConfig) -> PipelineResult:
         if "evaluate" in results and cfg.registry.enabled:
             from registry.mlflow_registry import register_and_promote
 
-            registered = register_and_promote(cfg, results, parent_id)
+            registered = register_and_promote(cfg, results, parent_id, dag.upstream("evaluate"))
             parent.log_dict(registered, "registry_decision.json")
         from flows.report import log_reports
 

@@ -41,12 +41,13 @@ def register_model(client, name: str, run_id: str, model_dir: Path, metric: str,
     return client.create_model_version(name, source, run_id=run_id, tags=tags)
 
 
-def register_and_promote(cfg, results: dict[str, Any], parent_run_id: str | None) -> dict[str, Any]:
-    """Register the model the evaluation stage judged and gate `champion` on its metric."""
+def register_and_promote(cfg, results: dict[str, Any], parent_run_id: str | None,
+                         evaluated: str | None) -> dict[str, Any]:
+    """Register the model the evaluation stage judged (the output of stage `evaluated`) and gate
+    `champion` on its metric."""
     if parent_run_id is None:
         raise RuntimeError("registry: no MLflow parent run to attach the model to")
     reg = cfg.registry
-    evaluated = cfg.upstream("evaluate")
     if evaluated is None:
         raise RuntimeError("registry: the evaluation stage has no upstream model stage")
     model_dir = Path(results[evaluated].output_dir) / "model"

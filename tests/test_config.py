@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from flows.dag import PipelineDAG
 from core.config import (
     STAGE_CONFIGS, STAGES, ConfigError, DataConfig, DistillConfig, DPOConfig, EvalConfig,
     LauncherConfig, LoRAConfig, ParallelConfig, PipelineConfig, SFTConfig, dump_config,
@@ -96,7 +97,7 @@ def test_override_fills_an_optional_section():
     cfg = load_config(PipelineConfig, None, ["sft_teacher.launcher.kind=slurm",
                                              "sft_teacher.launcher.slurm.gpus_per_node=8"])
     assert cfg.sft_teacher.launcher.kind == "slurm" and cfg.sft_teacher.launcher.slurm.gpus_per_node == 8
-    assert cfg.stage("sft_student").launcher.kind == "local"  # the pipeline default
+    assert PipelineDAG(cfg).spec("sft_student").launcher.kind == "local"  # the pipeline default
 
 
 def test_json_config_and_stage_config_load(tmp_path):
@@ -204,29 +205,29 @@ def test_output_dirs_must_stay_in_the_workspace():
     with pytest.raises(ConfigError, match="same directory"):
         load_config(PipelineConfig, None, ["dpo.output_dir=distill"])
     cfg = load_config(PipelineConfig, None, ["dpo.output_dir=aligned"])
-    assert cfg.stage("dpo").output_dir == str(Path("runs/demo/aligned"))
+    assert PipelineDAG(cfg).spec("dpo").output_dir == str(Path("runs/demo/aligned"))
 
 
 # ------------------------------------------------------------------------------------ stage specs
 
 def test_stage_spec_wires_upstream_outputs():
     cfg = PipelineConfig()
-    dpo = cfg.stage("dpo")
+    dpo = PipelineDAG(cfg).spec("dpo")
     assert dpo.model.name_or_path == str(Path("runs/demo/distill"))
     assert dpo.data.sources == [str(Path("runs/demo/data_prep"))]
     assert dpo.launcher == cfg.launcher and dpo.tracking == cfg.tracking
-    distill = cfg.stage("distill")
+    distill = PipelineDAG(cfg).spec("distill")
     assert distill.teacher.name_or_path == str(Path("runs/demo/sft_teacher"))
     assert cfg.distill.model.name_or_path == "debug"  # stage() copies; the pipeline is untouched
 
 
 def test_disabled_upstream_is_skipped():
     cfg = load_config(PipelineConfig, None, ["stages.distill=false"])
-    assert cfg.upstream("dpo") == "sft_student"
-    assert cfg.stage("dpo").model.name_or_path == str(Path("runs/demo/sft_student"))
-    assert cfg.stage("evaluate").compare_to == [str(Path("runs/demo/sft_student"))]
+    assert PipelineDAG(cfg).upstream("dpo") == "sft_student"
+    assert PipelineDAG(cfg).spec("dpo").model.name_or_path == str(Path("runs/demo/sft_student"))
+    assert PipelineDAG(cfg).spec("evaluate").compare_to == [str(Path("runs/demo/sft_student"))]
     cfg = load_config(PipelineConfig, None, ["stages.sft_student=false", "stages.distill=false"])
-    assert cfg.stage("dpo").model.name_or_path == "debug"
+    assert PipelineDAG(cfg).spec("dpo").model.name_or_path == "debug"
 
 
 # ------------------------------------------------------------------------------------ parallel
@@ -295,7 +296,7 @@ def test_json_round_trip(tmp_path):
 def test_stage_spec_round_trip(tmp_path):
     cfg = PipelineConfig()
     for name in STAGES:
-        spec = cfg.stage(name)
+        spec = PipelineDAG(cfg).spec(name)
         path = to_json_file(spec, tmp_path / f"{name}.json")
         assert from_json_file(type(spec), path) == spec
 
@@ -313,3 +314,23 @@ def test_eval_and_launcher_checks():
         LauncherConfig(kind="kubernetes")
     with pytest.raises(ValueError, match="multinode"):
         LauncherConfig(nnodes=2)
+
+
+def test_dag_edges_are_explicit_and_follow_disabled_stages():
+    from flows.dag import Edge
+
+    dag = PipelineDAG(PipelineConfig())
+    assert set(dag.edges) == {
+        *(Edge("data_prep", s, "data") for s in ("sft_teacher", "sft_student", "distill", "dpo", "evaluate")),
+        Edge("sft_student", "distill", "model"), Edge("sft_teacher", "distill", "teacher"),
+        Edge("distill", "dpo", "model"), Edge("dpo", "evaluate", "model"),
+        Edge("sft_student", "evaluate", "compare"), Edge("distill", "evaluate", "compare")}
+    assert dag.inputs("distill") == ["data_prep", "sft_student", "sft_teacher"]
+    assert dag.spec("dpo") is dag.spec("dpo")  # resolved once per DAG (per pipeline run)
+    off = PipelineDAG(load_config(PipelineConfig, None, ["stages.distill=false", "stages.data_prep=false",
+                                                         "dpo.data.sources=[d.jsonl]", "evaluate.data.sources=[d.jsonl]",
+                                                         "sft_student.data.sources=[d.jsonl]",
+                                                         "sft_teacher.data.sources=[d.jsonl]"]))
+    assert set(off.edges) == {Edge("sft_student", "dpo", "model"), Edge("dpo", "evaluate", "model"),
+                              Edge("sft_student", "evaluate", "compare")}
+    assert off.spec("dpo").data.sources == ["d.jsonl"]

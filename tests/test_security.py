@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.dag import PipelineDAG
+
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".venv", ".git", "node_modules", "build", "dist", "__pycache__", ".hypothesis", "runs", "outputs"}
 PRODUCT = ("core", "kernels", "stages", "flows", "registry", "benchmarks")
@@ -235,7 +237,7 @@ def test_secrets_are_masked_in_logged_params():
     cfg = _secret_config()
     params = flatten_params(dump_config(cfg))  # what stage_run logs to MLflow
     assert params["launcher.env.HF_TOKEN"] == "***" and params["tracking.tracking_uri"] == "postgresql://mlflow:***@db:5432/mlflow"
-    stage = flatten_params(dump_config(cfg.stage("sft_student")))
+    stage = flatten_params(dump_config(PipelineDAG(cfg).spec("sft_student")))
     for flat in (params, stage):
         assert not [k for k, v in flat.items() if any(s in v for s in SECRETS.values())]
     error = f"OperationalError: could not connect to postgresql://mlflow:{SECRETS['pw']}@db/mlflow"
@@ -248,7 +250,7 @@ def test_stage_manifest_stores_no_secrets(tmp_path):
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "weights.bin").write_bytes(b"x")
-    cfg = dump_config(_secret_config().stage("sft_student"))
+    cfg = dump_config(PipelineDAG(_secret_config()).spec("sft_student"))
     m = write_manifest(tmp_path, "sft", {"model": "model"}, config=cfg, metrics={"loss": 1.0})
     text = (tmp_path / "manifest.json").read_text()
     assert m["config_digest"] and not any(s in text for s in SECRETS.values())  # a digest, not the config
@@ -257,7 +259,7 @@ def test_stage_manifest_stores_no_secrets(tmp_path):
 def test_stage_spec_file_is_private(tmp_path):
     from core.config import to_json_file
 
-    path = to_json_file(_secret_config().stage("sft_student"), tmp_path / "spec.json")
+    path = to_json_file(PipelineDAG(_secret_config()).spec("sft_student"), tmp_path / "spec.json")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it must hold the tokens; only its owner reads it
 
 
