@@ -16,8 +16,9 @@ arXiv 2307.08691):
 Head dims that are not a power of two (24, 40, 80, ...) are padded to BLOCK_D with masked loads.
 Causal masking is top-left aligned within each document (SDPA's is_causal for equal lengths).
 
-Layers: kernels -> launchers (`_forward`, `_backward`) -> `FlashAttnVarlenFunction` ->
-`posttrain::flash_attn_varlen_fwd/_bwd` custom ops -> `flash_attn_varlen` (dispatch).
+Layers: kernels (kernels/jit/flash_attention.py) -> launchers (`_forward`, `_backward`) ->
+`FlashAttnVarlenFunction` -> `posttrain::flash_attn_varlen_fwd/_bwd` custom ops ->
+`flash_attn_varlen` (dispatch).
 Reference: `flash_attn_varlen_reference` (per-document SDPA).
 """
 

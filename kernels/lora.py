@@ -19,9 +19,10 @@ rows may belong to several adapters: each adapter present in the tile contribute
 (rows of one sequence share an adapter, so a tile rarely holds more than two), and absent ones
 are skipped. Adapters of different ranks are zero-padded to one r by the caller.
 
-Layers: kernels -> `lora_fwd` / `lora_bwd` launchers -> LoRALinearFunction /
-LoRALinearMultiFunction -> `posttrain::lora_linear[_multi]` custom ops -> `lora_linear`,
-`lora_linear_multi` (dispatch). References: `lora_linear_reference`, `lora_linear_multi_reference`.
+Layers: kernels (kernels/jit/lora.py) -> `lora_fwd` / `lora_bwd` launchers ->
+LoRALinearFunction / LoRALinearMultiFunction -> `posttrain::lora_linear[_multi]` custom ops ->
+`lora_linear`, `lora_linear_multi` (dispatch). References: `lora_linear_reference`,
+`lora_linear_multi_reference`.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ Backward, with n = h * rstd and dn = dy * weight (the cast treated as identity):
     dh = rstd * (dn - n * mean(dn * n))     (+ the gradient flowing into the residual output)
     dweight = sum_rows dy * n.to(dtype)     (fp32 partial sums per program, then one torch sum)
 
-Layers: kernels -> launchers -> RMSNormFunction / AddRMSNormFunction -> `posttrain::rms_norm`,
-`posttrain::add_rms_norm` custom ops -> `rms_norm` (dispatch). Reference: `rms_norm_reference`.
+Layers: kernels (kernels/jit/rmsnorm.py) -> launchers -> RMSNormFunction / AddRMSNormFunction
+-> `posttrain::rms_norm`, `posttrain::add_rms_norm` custom ops -> `rms_norm` (dispatch).
+Reference: `rms_norm_reference`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ exp per element is far cheaper than a (tokens, hidden) activation held until bac
 Math in fp32, stores in the input dtype. gate/up may be strided row views (e.g. the two halves
 of a fused gate_up projection): rows are addressed by stride, columns must be unit-stride.
 
-Layers: kernels -> launchers -> SwiGLUFunction -> `posttrain::swiglu` custom op -> `swiglu`
-(dispatch). Reference: `swiglu_reference` (what core.model.layers.MLP computes).
+Layers: kernels (kernels/jit/swiglu.py) -> launchers -> SwiGLUFunction -> `posttrain::swiglu`
+custom op -> `swiglu` (dispatch). Reference: `swiglu_reference` (what core.model.layers.MLP
+computes).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Triton device code of kernels/flash_attention.py: varlen FlashAttention-2 forward and backward.
-
-Only @triton.jit functions live here; their launchers, autograd and dispatch are in
-kernels/flash_attention.py, which imports this module on the first launch (see kernels/jit/__init__.py)."""
+Only @triton.jit functions live here; the launchers, autograd, custom ops and dispatch are in
+kernels/flash_attention.py, which imports this module on the first launch (see
+kernels/jit/__init__.py)."""
 
 import triton
 import triton.language as tl

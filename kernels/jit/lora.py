@@ -1,6 +1,5 @@
 """Triton device code of kernels/lora.py: the fused LoRA matmul and the adapter-gradient reduction.
-
-Only @triton.jit functions live here; their launchers, autograd and dispatch are in
+Only @triton.jit functions live here; the launchers, autograd, custom ops and dispatch are in
 kernels/lora.py, which imports this module on the first launch (see kernels/jit/__init__.py)."""
 
 import triton

@@ -1,6 +1,5 @@
 """Triton device code of kernels/nf4.py: NF4 dequantization and the dequantize-on-the-fly matmul.
-
-Only @triton.jit functions live here; their launchers, autograd and dispatch are in
+Only @triton.jit functions live here; the launchers, autograd, custom ops and dispatch are in
 kernels/nf4.py, which imports this module on the first launch (see kernels/jit/__init__.py)."""
 
 import triton

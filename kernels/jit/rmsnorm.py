@@ -1,7 +1,7 @@
-"""Triton device code of kernels/rmsnorm.py: RMSNorm forward (optionally fused with the residual add) and backward.
-
-Only @triton.jit functions live here; their launchers, autograd and dispatch are in
-kernels/rmsnorm.py, which imports this module on the first launch (see kernels/jit/__init__.py)."""
+"""Triton device code of kernels/rmsnorm.py: RMSNorm forward (optionally fused with the residual
+add) and backward. Only @triton.jit functions live here; the launchers, autograd, custom ops and
+dispatch are in kernels/rmsnorm.py, which imports this module on the first launch (see
+kernels/jit/__init__.py)."""
 
 import triton
 import triton.language as tl

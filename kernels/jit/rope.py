@@ -1,6 +1,5 @@
-"""Triton device code of kernels/rope.py: the RoPE rotation (forward and its transpose).
-
-Only @triton.jit functions live here; their launchers, autograd and dispatch are in
+"""Triton device code of kernels/rope.py: the RoPE rotation (forward and its transpose). Only
+@triton.jit functions live here; the launchers, autograd, custom ops and dispatch are in
 kernels/rope.py, which imports this module on the first launch (see kernels/jit/__init__.py)."""
 
 import triton

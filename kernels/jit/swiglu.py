@@ -1,7 +1,6 @@
-"""Triton device code of kernels/swiglu.py: SwiGLU forward and backward.
-
-Only @triton.jit functions live here; their launchers, autograd and dispatch are in
-kernels/swiglu.py, which imports this module on the first launch (see kernels/jit/__init__.py)."""
+"""Triton device code of kernels/swiglu.py: SwiGLU forward and backward. Only @triton.jit functions
+live here; the launchers, autograd, custom ops and dispatch are in kernels/swiglu.py, which
+imports this module on the first launch (see kernels/jit/__init__.py)."""
 
 import triton
 import triton.language as tl
