@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.quant import NF4Weight, nf4_linear, quantize_nf4
+from kernels.lora import lora_linear
 
 # The fields read from a config, with core.config.LoRAConfig's defaults.
 DEFAULTS: dict[str, Any] = dict(
@@ -43,6 +44,8 @@ DEFAULTS: dict[str, Any] = dict(
     adapter_names=("default",), exclude=None,
 )
 OUTPUT_HEADS = ("lm_head", "output")  # left out of "all-linear" unless `exclude` says otherwise
+# (weight, bias, A, B, scale, dropout): the arguments of kernels.lora.lora_linear after x.
+PlainLoRA = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float, float]
 
 
 class LoRALinear(nn.Module):
@@ -158,7 +161,7 @@ class LoRALinear(nn.Module):
             dense = self._dense(xd)
         return base + (mag - 1) * dense + mag * lora
 
-    def plain_lora(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float, float] | None:
+    def plain_lora(self) -> PlainLoRA | None:
         """(weight, bias, A, B, scale, dropout) in the common case, one active adapter and nothing
         else (no merge, routing, quantized base or DoRA); dropout is 0 outside training. Then
         forward is kernels.lora.lora_linear(x, *these), which a caller may fuse with what
@@ -170,13 +173,21 @@ class LoRALinear(nn.Module):
         dropout = self.configs[name]["dropout"] if self.training else 0.0
         return self.weight, self.bias, self.lora_A[name], self.lora_B[name], self.scaling[name], dropout
 
+    def fusable_lora(self) -> PlainLoRA | None:
+        """plain_lora() when a caller may run this layer's forward itself, as
+        kernels.lora.lora_linear(x, *these) fused with what produces x (core.model.layers.MLP
+        fuses SwiGLU into it); else None. That needs the plain state plain_lora() describes, and
+        the module called as is: exactly a LoRALinear (tensor-parallel and FSDP forms change the
+        class) with no forward hooks or pre-hooks, which a fused call would skip."""
+        if type(self) is not LoRALinear or self._forward_hooks or self._forward_pre_hooks:
+            return None
+        return self.plain_lora()
+
     def forward(self, x: torch.Tensor, adapter_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x: (..., in). adapter_ids: (B,) indices into `self.adapters` (len(adapters) = none)."""
         plain = self.plain_lora() if adapter_ids is None else None
         if plain is not None:
             # The common case: base and low-rank path in one fused op (Triton on GPUs).
-            from kernels.lora import lora_linear
-
             return lora_linear(x, *plain)
         base = self._dense(x)
         if self.bias is not None:

@@ -1,5 +1,11 @@
 """posttrain kernels: Triton ops beside their torch references; each public op dispatches on
-`kernels.dispatch.use_triton` (Triton on CUDA, or on CPU under TRITON_INTERPRET=1)."""
+`kernels.dispatch.use_triton` (Triton on CUDA, or on CPU under TRITON_INTERPRET=1; the kernels
+mode "torch" forces the torch paths, see kernels/dispatch.py).
+
+A leaf package: it imports torch, the standard library and Triton, never core, stages, flows or
+registry (core calls kernels, never the reverse; tests/test_import_rules_kernels.py checks it).
+Triton itself is imported only by the device code in kernels/jit/, on a kernel's first launch,
+so everything here imports and runs its torch paths where Triton is not installed."""
 
 from kernels.lora import lora_linear, lora_linear_multi
 from kernels.nf4 import dequantize_nf4, nf4_linear

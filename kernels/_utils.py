@@ -1,5 +1,5 @@
-"""Helpers shared by the part-A kernels (rmsnorm, rope, swiglu, lora, nf4): dtype gate, block
-sizes, launch counting and the matmul precision rule."""
+"""Host-side helpers shared by the kernels: dtype gate, block sizes, launch counting and the
+matmul precision rule. Pure Python and torch: no Triton here (only kernels/jit/ imports it)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import collections
 import functools
 
 import torch
-import triton
 
 # The dtypes the Triton paths are written for; anything else (fp64, ints) takes the reference.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -20,6 +19,16 @@ def supported(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or not t.is_floating_point() or t.dtype in KERNEL_DTYPES for t in tensors)
 
 
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (0 for n = 0), as triton.next_power_of_2."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, as triton.cdiv."""
+    return (a + b - 1) // b
+
+
 def counter() -> collections.Counter:
     """A per-module launch counter (kernel name -> launches): tests read it to prove the Triton
     path really ran instead of the reference being compared with itself."""
@@ -28,7 +37,7 @@ def counter() -> collections.Counter:
 
 def row_block(n: int) -> int:
     """Block covering a whole row of n elements (power of two, as tl.arange requires)."""
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     if block > MAX_FUSED_SIZE:
         raise ValueError(f"row of {n} elements exceeds MAX_FUSED_SIZE={MAX_FUSED_SIZE}")
     return block
@@ -41,7 +50,7 @@ def num_warps(block: int) -> int:
 
 def dot_block(n: int, cap: int) -> int:
     """Tile edge for tl.dot: a power of two >= 16 (the MMA minimum), no larger than needed."""
-    return max(16, min(cap, triton.next_power_of_2(n)))
+    return max(16, min(cap, next_power_of_2(n)))
 
 
 @functools.cache

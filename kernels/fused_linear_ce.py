@@ -12,10 +12,11 @@ and backward only rescales them. With reduction="none" every token has its own u
 gradient, unknown in forward: forward keeps its inputs and backward recomputes each chunk's
 logits (one more matmul per chunk), the kernel scaling row t by grad_out[t].
 
-Layers: kernel -> launcher (`ce_rows_`) -> chunk loops (`_forward`, `_backward`) ->
-`FusedLinearCrossEntropyFunction` (hand-written backward) -> `posttrain::fused_linear_ce` custom
-op (reuses the Function's setup_context/backward) -> `fused_linear_cross_entropy` (dispatch).
-Reference: `core.losses.chunked_cross_entropy` (same signature and semantics).
+Layers: kernel (kernels/jit/fused_linear_ce.py) -> launcher (`ce_rows_`) -> chunk loops
+(`_forward`, `_backward`) -> `FusedLinearCrossEntropyFunction` (hand-written backward) ->
+`posttrain::fused_linear_ce` custom op (reuses the Function's setup_context/backward) ->
+`fused_linear_cross_entropy` (dispatch). Torch path and reference:
+`kernels.chunked_losses.chunked_cross_entropy` (same signature and semantics).
 """
 
 from __future__ import annotations
@@ -23,75 +24,16 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
-from core.losses import REDUCTIONS, chunked_cross_entropy
 from kernels import _utils
+from kernels.chunked_losses import check_linear_ce_args, chunked_cross_entropy, shift_labels
 from kernels.dispatch import use_triton
 
 LAUNCHES = _utils.counter()  # kernel name -> launches: tests prove the Triton path ran
 # Largest vocab block one program loads at a time. Module-level so tests can shrink it and make
 # the online logsumexp run over several blocks on a tiny vocab.
 MAX_BLOCK = 16384
-
-
-@triton.jit
-def _tanh(x):
-    # tl has no tanh that also runs in the interpreter; exp form saturates cleanly to +-1.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _ce_rows_kernel(
-    logits_ptr, logits_stride, target_ptr, loss_ptr, scale_ptr, scale_stride,
-    n_cols, ignore_index, softcap,
-    BLOCK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    logits_ptr += row * logits_stride
-    target = tl.load(target_ptr + row)
-    cols = tl.arange(0, BLOCK)
-
-    if target == ignore_index:  # no loss, zero gradient
-        if WRITE_GRAD:
-            for off in range(0, n_cols, BLOCK):
-                tl.store(logits_ptr + off + cols, tl.zeros([BLOCK], tl.float32), mask=off + cols < n_cols)
-        tl.store(loss_ptr + row, 0.0)
-        return
-
-    # pass 1: running max m and sum of exp(z - m), rescaled whenever m grows
-    m = float("-inf")
-    d = 0.0
-    for off in range(0, n_cols, BLOCK):
-        mask = off + cols < n_cols
-        z = tl.load(logits_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            z = softcap * _tanh(z / softcap)
-        z = tl.where(mask, z, float("-inf"))  # after the softcap: tanh(-inf) would be finite
-        m_new = tl.maximum(m, tl.max(z, 0))
-        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
-        m = m_new
-    lse = m + tl.log(d)
-    z_y = tl.load(logits_ptr + target).to(tl.float32)  # read before pass 2 overwrites it
-    if HAS_SOFTCAP:
-        z_y = softcap * _tanh(z_y / softcap)
-    tl.store(loss_ptr + row, lse - z_y)
-
-    # pass 2: gradient w.r.t. the pre-softcap logits, over the logits buffer
-    if WRITE_GRAD:
-        scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
-        for off in range(0, n_cols, BLOCK):
-            mask = off + cols < n_cols
-            z = tl.load(logits_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                t = _tanh(z / softcap)
-                z = softcap * t
-            g = tl.exp(z - lse) - tl.where(off + cols == target, 1.0, 0.0)
-            if HAS_SOFTCAP:
-                g = g * (1.0 - t * t)  # d(c tanh(z / c))/dz
-            tl.store(logits_ptr + off + cols, (g * scale).to(logits_ptr.dtype.element_ty), mask=mask)
 
 
 def ce_rows_(logits: Tensor, target: Tensor, loss: Tensor, scale: Tensor, ignore_index: int,
@@ -102,10 +44,11 @@ def ce_rows_(logits: Tensor, target: Tensor, loss: Tensor, scale: Tensor, ignore
     Targets must lie in [0, V) or equal ignore_index; the kernel does not bounds-check them
     (that would cost a device->host sync per chunk).
     """
+    from kernels.jit import fused_linear_ce as jit  # device code, imported on first launch
     rows, n_cols = logits.shape
     assert logits.stride(1) == 1 and scale.numel() in (1, rows)
-    block = min(MAX_BLOCK, triton.next_power_of_2(n_cols))
-    _ce_rows_kernel[(rows,)](
+    block = min(MAX_BLOCK, _utils.next_power_of_2(n_cols))
+    jit.ce_rows_kernel[(rows,)](
         logits, logits.stride(0), target, loss, scale, 0 if scale.numel() == 1 else scale.stride(0),
         n_cols, ignore_index, 1.0 if softcap is None else float(softcap),
         BLOCK=block, HAS_SOFTCAP=softcap is not None, WRITE_GRAD=write_grad,
@@ -118,7 +61,7 @@ def default_chunk_size(n_tokens: int, vocab: int, hidden: int) -> int:
     """Liger's choice: chunk * V ~ tokens * H, so the logits chunk costs about one hidden state.
     At least 64 tokens: smaller chunks only add launches (64 * V stays below the (V, H) weight
     gradient for any H >= 64)."""
-    return max(64, triton.next_power_of_2(triton.cdiv(max(n_tokens, 1), triton.cdiv(vocab, hidden))))
+    return max(64, _utils.next_power_of_2(_utils.cdiv(max(n_tokens, 1), _utils.cdiv(vocab, hidden))))
 
 
 def accumulate_linear_grads(g: Tensor, h: Tensor, weight: Tensor, grad_h: Tensor | None, grad_w: Tensor | None) -> None:
@@ -242,29 +185,18 @@ torch.library.register_autograd("posttrain::fused_linear_ce", FusedLinearCrossEn
                                 setup_context=FusedLinearCrossEntropyFunction.setup_context)
 
 
-def shift_labels(labels: Tensor, ignore_index: int) -> Tensor:
-    """Target at t is labels[t + 1]; the last position has none (core.losses' convention)."""
-    return torch.cat([labels[..., 1:], labels.new_full((*labels.shape[:-1], 1), ignore_index)], dim=-1)
-
-
 def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
                                reduction: str = "mean", shift: bool = True, chunk_size: int | None = None,
                                softcap: float | None = None) -> Tensor:
     """Cross entropy of `hidden @ weight.T` against `labels`, never holding more than one chunk of
-    logits: same semantics as `core.losses.chunked_cross_entropy`.
+    logits: same semantics as `chunked_cross_entropy` (kernels/chunked_losses.py), its torch path.
 
     hidden (N..., H), weight (V, H), labels (N...) int. shift=True scores labels[t + 1] at t.
     reduction: mean over scored tokens (0 when none), sum, or none ((N...) with 0 at ignored).
     The loss is fp32 (the Triton path computes in fp32; fp64 inputs take the reference, which
     keeps fp64). chunk_size defaults to Liger's rule (chunk * V ~ tokens * H).
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
-    if hidden.shape[:-1] != labels.shape or hidden.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"shapes do not match: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
-                         f"labels {tuple(labels.shape)}; expected (N..., H), (V, H), (N...)")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    check_linear_ce_args(hidden, weight, labels, reduction, chunk_size)
     h2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     chunk = chunk_size or default_chunk_size(h2.shape[0], weight.shape[0], weight.shape[1])
     if not (use_triton(hidden, weight, labels) and _utils.supported(hidden, weight)):

@@ -18,11 +18,12 @@
       jsd(beta)   m = beta q + (1 - beta) p,  D = beta KL(q||m) + (1 - beta) KL(p||m)
                   dD/ds = (1 - beta) p (log p - log m - KL(p||m))
   and ds/dz_S = 1/T. The loss is the mean over masked tokens of T^2 D (Hinton's T^2, as
-  core.losses.chunked_distill_loss with its defaults), so the scalar upstream gradient lets
-  forward accumulate d/dhidden and d/dweight chunk by chunk; backward rescales them.
+  `chunked_distill_loss` with its defaults), so the scalar upstream gradient lets forward
+  accumulate d/dhidden and d/dweight chunk by chunk; backward rescales them.
 
 The teacher is a constant: its inputs get no gradient (the reference would give one).
-Reference: `core.losses.chunked_distill_loss` / `chunked_token_logps`.
+Device code: kernels/jit/fused_linear_kl.py. Torch paths and references:
+`kernels.chunked_losses.chunked_distill_loss` / `chunked_token_logps`.
 """
 
 from __future__ import annotations
@@ -30,107 +31,16 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
-from core.losses import DISTILL_KINDS, chunked_distill_loss, chunked_token_logps
 from kernels import _utils
 from kernels import fused_linear_ce as _ce
+from kernels.chunked_losses import DISTILL_KINDS, check_choice, chunked_distill_loss, chunked_token_logps
 from kernels.dispatch import use_triton
 
 LAUNCHES = _utils.counter()
 MAX_BLOCK = 8192  # per-program vocab block; tests shrink it to run the online passes over blocks
 _KIND_IDS = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
-
-
-@triton.jit
-def _log_m(logp, logq, log_beta, log1m_beta):
-    # log m = log(beta q + (1 - beta) p) as a logaddexp: finite even where q or p underflow
-    a = logq + log_beta
-    b = logp + log1m_beta
-    hi = tl.maximum(a, b)
-    return hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
-
-
-@triton.jit
-def _log_probs(ptr, cols, n_cols, inv_temp, lse):
-    # padded columns load 0 (not -inf: no inf - inf NaNs downstream) and get probability 0
-    mask = cols < n_cols
-    logp = tl.load(ptr + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp - lse
-    return logp, tl.where(mask, tl.exp(logp), 0.0)
-
-
-@triton.jit
-def _distill_rows_kernel(
-    s_ptr, s_stride, t_ptr, t_stride, keep_ptr, loss_ptr, scale_ptr,
-    n_cols, inv_temp, loss_scale, beta, log_beta, log1m_beta,
-    BLOCK: tl.constexpr, KIND: tl.constexpr, WRITE_GRAD: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    s_ptr += row * s_stride
-    t_ptr += row * t_stride
-    cols = tl.arange(0, BLOCK)
-
-    if tl.load(keep_ptr + row) == 0:  # unscored token: no loss, zero gradient
-        if WRITE_GRAD:
-            for off in range(0, n_cols, BLOCK):
-                tl.store(s_ptr + off + cols, tl.zeros([BLOCK], tl.float32), mask=off + cols < n_cols)
-        tl.store(loss_ptr + row, 0.0)
-        return
-
-    # pass 1: both logsumexps, online
-    m_s = float("-inf")
-    d_s = 0.0
-    m_t = float("-inf")
-    d_t = 0.0
-    for off in range(0, n_cols, BLOCK):
-        mask = off + cols < n_cols
-        s = tl.load(s_ptr + off + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
-        t = tl.load(t_ptr + off + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
-        new_s = tl.maximum(m_s, tl.max(s, 0))
-        new_t = tl.maximum(m_t, tl.max(t, 0))
-        d_s = d_s * tl.exp(m_s - new_s) + tl.sum(tl.exp(s - new_s), 0)
-        d_t = d_t * tl.exp(m_t - new_t) + tl.sum(tl.exp(t - new_t), 0)
-        m_s = new_s
-        m_t = new_t
-    lse_s = m_s + tl.log(d_s)
-    lse_t = m_t + tl.log(d_t)
-
-    # pass 2: the divergence and c (reverse KL: D; JSD: KL(p||m)); 0 log 0 = 0 via the where()s
-    div = 0.0
-    c = 0.0
-    for off in range(0, n_cols, BLOCK):
-        logp, p = _log_probs(s_ptr, off + cols, n_cols, inv_temp, lse_s)
-        logq, q = _log_probs(t_ptr, off + cols, n_cols, inv_temp, lse_t)
-        if KIND == 0:
-            div += tl.sum(tl.where(q > 0, q * (logq - logp), 0.0), 0)
-        elif KIND == 1:
-            div += tl.sum(tl.where(p > 0, p * (logp - logq), 0.0), 0)
-        else:
-            logm = _log_m(logp, logq, log_beta, log1m_beta)
-            kl_pm = tl.sum(tl.where(p > 0, p * (logp - logm), 0.0), 0)
-            kl_qm = tl.sum(tl.where(q > 0, q * (logq - logm), 0.0), 0)
-            div += beta * kl_qm + (1.0 - beta) * kl_pm
-            c += kl_pm
-    if KIND == 1:
-        c = div
-    tl.store(loss_ptr + row, div * loss_scale)
-
-    # pass 3: dD/dz_S = dD/ds / T, times the mean's T^2 / n (folded into scale by the launcher)
-    if WRITE_GRAD:
-        scale = tl.load(scale_ptr).to(tl.float32)
-        for off in range(0, n_cols, BLOCK):
-            logp, p = _log_probs(s_ptr, off + cols, n_cols, inv_temp, lse_s)
-            logq, q = _log_probs(t_ptr, off + cols, n_cols, inv_temp, lse_t)
-            if KIND == 0:
-                g = p - q
-            elif KIND == 1:
-                g = tl.where(p > 0, p * (logp - logq - c), 0.0)
-            else:
-                logm = _log_m(logp, logq, log_beta, log1m_beta)
-                g = tl.where(p > 0, (1.0 - beta) * p * (logp - logm - c), 0.0)
-            tl.store(s_ptr + off + cols, (g * scale).to(s_ptr.dtype.element_ty), mask=off + cols < n_cols)
 
 
 def distill_rows_(student: Tensor, teacher: Tensor, keep: Tensor, loss: Tensor, grad_scale: Tensor, kind: str,
@@ -139,11 +49,12 @@ def distill_rows_(student: Tensor, teacher: Tensor, keep: Tensor, loss: Tensor, 
 
     `kind` must already be resolved (jsd at beta 0 / 1 is forward / reverse KL, see `_resolve`).
     """
+    from kernels.jit import fused_linear_kl as jit  # device code, imported on first launch
     rows, n_cols = student.shape
     assert teacher.shape == student.shape and student.stride(1) == 1 and teacher.stride(1) == 1
-    block = min(MAX_BLOCK, triton.next_power_of_2(n_cols))
+    block = min(MAX_BLOCK, _utils.next_power_of_2(n_cols))
     jsd = kind == "jsd"
-    _distill_rows_kernel[(rows,)](
+    jit.distill_rows_kernel[(rows,)](
         student, student.stride(0), teacher, teacher.stride(0), keep, loss, grad_scale,
         n_cols, 1.0 / temperature, temperature**2, beta,
         math.log(beta) if jsd else 0.0, math.log1p(-beta) if jsd else 0.0,
@@ -228,14 +139,13 @@ def fused_linear_distill(student_hidden: Tensor, student_weight: Tensor, teacher
                          teacher_weight: Tensor, mask: Tensor | None = None, kind: str = "forward_kl",
                          temperature: float = 1.0, beta: float = 0.5, chunk_size: int | None = None) -> Tensor:
     """Mean over masked tokens of T^2 * D(teacher || student) on `hidden @ weight.T` logits,
-    chunked: `core.losses.chunked_distill_loss(..., reduction="mean", scale_by_t2=True)`.
+    chunked: `kernels.chunked_losses.chunked_distill_loss(..., reduction="mean", scale_by_t2=True)`.
 
     student_hidden (N..., Hs), student_weight (V, Hs), teacher_hidden (N..., Ht), teacher_weight
     (V, Ht), mask (N...) bool or None (all scored). kind: forward_kl | reverse_kl | jsd (beta
     weighs the teacher in the JSD mixture). Returns an fp32 scalar; only the student gets gradients.
     """
-    if kind not in DISTILL_KINDS:
-        raise ValueError(f"unknown kind {kind!r}; valid: {', '.join(DISTILL_KINDS)}")
+    check_choice("kind", kind, DISTILL_KINDS)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     lead = student_hidden.shape[:-1]
@@ -263,7 +173,7 @@ def fused_linear_distill(student_hidden: Tensor, student_weight: Tensor, teacher
 def fused_linear_logps(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
                        shift: bool = True, chunk_size: int | None = None) -> Tensor:
     """log p(y_t | x_<t) per position (N...), fp32, 0 where the target is ignored; the lm_head is
-    applied chunk by chunk. Same as `core.losses.chunked_token_logps` (sum over the last dim for
+    applied chunk by chunk. Same as `kernels.chunked_losses.chunked_token_logps` (sum over the last dim for
     DPO's sequence log-probs)."""
     if not (use_triton(hidden, weight, labels) and _utils.supported(hidden, weight)):
         chunk = chunk_size or 1024

@@ -19,9 +19,10 @@ rows may belong to several adapters: each adapter present in the tile contribute
 (rows of one sequence share an adapter, so a tile rarely holds more than two), and absent ones
 are skipped. Adapters of different ranks are zero-padded to one r by the caller.
 
-Layers: kernels -> `lora_fwd` / `lora_bwd` launchers -> LoRALinearFunction /
-LoRALinearMultiFunction -> `posttrain::lora_linear[_multi]` custom ops -> `lora_linear`,
-`lora_linear_multi` (dispatch). References: `lora_linear_reference`, `lora_linear_multi_reference`.
+Layers: kernels (kernels/jit/lora.py) -> `lora_fwd` / `lora_bwd` launchers ->
+LoRALinearFunction / LoRALinearMultiFunction -> `posttrain::lora_linear[_multi]` custom ops ->
+`lora_linear`, `lora_linear_multi` (dispatch). References: `lora_linear_reference`,
+`lora_linear_multi_reference`.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -44,98 +43,13 @@ LAUNCHES = _utils.counter()
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 
 
-@triton.jit
-def _lora_mm_kernel(
-    X, W, P, Q, BIAS, SCALES, IDS, C, XP,
-    M, N, K, R, n_adapters, scale,
-    sxm, sxk, swk, swn, spa, spk, spr, sqa, sqr, sqn, scm, scn, sxpm,
-    HAS_BIAS: tl.constexpr, HAS_IDS: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-):
-    """C = X W + bias + scale[id] * (X P[id]) Q[id] per row; X (M, K), W (K, N), P (n, K, R),
-    Q (n, R, N), all by strides. XP (M, R) receives X P[id]."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rr = tl.arange(0, BR)
-    m_mask, n_mask, r_mask = rm < M, rn < N, rr < R
-    if HAS_IDS:
-        ids = tl.load(IDS + rm, mask=m_mask, other=-1)
-    else:
-        ids = tl.zeros([BM], dtype=tl.int32)
-    rm64 = rm.to(tl.int64)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    xp = tl.zeros([BM, BR], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        k_mask = rk < K
-        x = tl.load(X + rm64[:, None] * sxm + rk[None, :] * sxk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(W + rk[:, None] * swk + rn[None, :] * swn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
-        for a in range(0, n_adapters):
-            sel = ids == a
-            if tl.max(sel.to(tl.int32), axis=0) > 0:  # adapter a has rows in this tile
-                p = tl.load(P + a * spa + rk[:, None] * spk + rr[None, :] * spr,
-                            mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-                part = tl.dot(x, p.to(x.dtype), input_precision=PRECISION)
-                xp += tl.where(sel[:, None], part, 0.0)
-    # Rounded to the input dtype like F.linear(x, A) would be, then a 16-bit MMA with B.
-    xp_lo = xp.to(X.dtype.element_ty)
-    if pid_n == 0:  # every column tile has the same xp; one stores it
-        tl.store(XP + rm64[:, None] * sxpm + rr[None, :], xp_lo, mask=m_mask[:, None] & r_mask[None, :])
-    for a in range(0, n_adapters):
-        sel = ids == a
-        if tl.max(sel.to(tl.int32), axis=0) > 0:
-            if HAS_IDS:
-                s = tl.load(SCALES + a)
-            else:
-                s = scale
-            q = tl.load(Q + a * sqa + rr[:, None] * sqr + rn[None, :] * sqn, mask=r_mask[:, None] & n_mask[None, :],
-                        other=0.0)
-            part = tl.dot(xp_lo, q.to(xp_lo.dtype), input_precision=PRECISION)
-            acc += tl.where(sel[:, None], part * s, 0.0)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(C + rm64[:, None] * scm + rn[None, :] * scn, acc.to(C.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _lora_grad_kernel(
-    L, RT, IDS, SCALES, OUT, M, P, Q, scale, slm, slp, srm, srq, soa, sop, soq,
-    HAS_IDS: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
-):
-    """OUT[a] (P, Q) = scale[a] * sum over rows m routed to a of L[m]^T RT[m]; L (M, P), RT (M, Q)."""
-    pid_p, pid_q, a = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rp = pid_p * BP + tl.arange(0, BP)
-    rq = pid_q * BQ + tl.arange(0, BQ)
-    p_mask, q_mask = rp < P, rq < Q
-    acc = tl.zeros([BP, BQ], dtype=tl.float32)
-    for m0 in range(0, M, BM):
-        rm = m0 + tl.arange(0, BM)
-        if HAS_IDS:
-            sel = tl.load(IDS + rm, mask=rm < M, other=-1) == a
-        else:
-            sel = rm < M
-        if tl.max(sel.to(tl.int32), axis=0) > 0:  # skip token blocks without this adapter
-            rm64 = rm.to(tl.int64)
-            lt = tl.load(L + rm64[:, None] * slm + rp[None, :] * slp, mask=sel[:, None] & p_mask[None, :], other=0.0)
-            rt = tl.load(RT + rm64[:, None] * srm + rq[None, :] * srq, mask=sel[:, None] & q_mask[None, :], other=0.0)
-            acc = tl.dot(tl.trans(lt), rt.to(lt.dtype), acc, input_precision=PRECISION)
-    if HAS_IDS:
-        s = tl.load(SCALES + a)
-    else:
-        s = scale
-    tl.store(OUT + a * soa + rp[:, None] * sop + rq[None, :] * soq, (acc * s).to(OUT.dtype.element_ty),
-             mask=p_mask[:, None] & q_mask[None, :])
-
-
 def _mm(x, w, w_strides, p, p_strides, q, q_strides, rank, bias, scale, scales, ids, out, xp):
     """Launch _lora_mm_kernel: out = x @ w + bias + scale * (x @ p) @ q, xp = x @ p."""
+    from kernels.jit import lora as jit  # device code, imported on first launch
     (m, k), n = x.shape, out.shape[1]
     bm, bn, bk = _utils.dot_block(m, BLOCK_M), _utils.dot_block(n, BLOCK_N), _utils.dot_block(k, BLOCK_K)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _lora_mm_kernel[grid](
+    grid = (_utils.cdiv(m, bm), _utils.cdiv(n, bn))
+    jit.lora_mm_kernel[grid](
         x, w, p, q, bias if bias is not None else x, scales if scales is not None else x,
         ids if ids is not None else x, out, xp,
         m, n, k, rank, p.shape[0], scale,
@@ -148,9 +62,10 @@ def _mm(x, w, w_strides, p, p_strides, q, q_strides, rank, bias, scale, scales, 
 
 def _grad(left, right, ids, scale, scales, out):
     """Launch _lora_grad_kernel: out[a] = scale[a] * left[rows of a]^T @ right[rows of a]."""
+    from kernels.jit import lora as jit  # device code, imported on first launch
     m, p, q = left.shape[0], out.shape[1], out.shape[2]
     bp, bq, bm = _utils.dot_block(p, BLOCK_N), _utils.dot_block(q, BLOCK_N), _utils.dot_block(m, BLOCK_M)
-    _lora_grad_kernel[(triton.cdiv(p, bp), triton.cdiv(q, bq), out.shape[0])](
+    jit.lora_grad_kernel[(_utils.cdiv(p, bp), _utils.cdiv(q, bq), out.shape[0])](
         left, right, ids if ids is not None else left, scales if scales is not None else left, out,
         m, p, q, scale, left.stride(0), left.stride(1), right.stride(0), right.stride(1), *out.stride(),
         HAS_IDS=ids is not None, PRECISION=_utils.dot_precision(left.dtype), BM=bm, BP=bp, BQ=bq,

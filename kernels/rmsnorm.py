@@ -12,8 +12,9 @@ Backward, with n = h * rstd and dn = dy * weight (the cast treated as identity):
     dh = rstd * (dn - n * mean(dn * n))     (+ the gradient flowing into the residual output)
     dweight = sum_rows dy * n.to(dtype)     (fp32 partial sums per program, then one torch sum)
 
-Layers: kernels -> launchers -> RMSNormFunction / AddRMSNormFunction -> `posttrain::rms_norm`,
-`posttrain::add_rms_norm` custom ops -> `rms_norm` (dispatch). Reference: `rms_norm_reference`.
+Layers: kernels (kernels/jit/rmsnorm.py) -> launchers -> RMSNormFunction / AddRMSNormFunction
+-> `posttrain::rms_norm`, `posttrain::add_rms_norm` custom ops -> `rms_norm` (dispatch).
+Reference: `rms_norm_reference`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -32,58 +31,9 @@ from kernels.dispatch import lean_autograd, use_triton
 LAUNCHES = _utils.counter()
 
 
-@triton.jit
-def _rms_norm_fwd_kernel(
-    X, R, H, Y, W, RSTD, stride_x, stride_r, stride_h, stride_y, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        h += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        h_stored = h.to(H.dtype.element_ty)
-        tl.store(H + row * stride_h + cols, h_stored, mask=mask)
-        h = h_stored.to(tl.float32)  # normalize exactly what the residual stream holds
-    rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-    tl.store(RSTD + row, rstd)
-    # Cast to the input dtype before the weight, as the model does (H has the input dtype).
-    n = (h * rstd).to(H.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (n * w).to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rms_norm_bwd_kernel(
-    DY, DHN, H, W, RSTD, DX, DW_PART, stride_dy, stride_dhn, stride_h, stride_dx,
-    n_rows, n_cols, rows_per_program,
-    HAS_DRES: tl.constexpr, BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
-    start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2**31
-    end = tl.minimum(start + rows_per_program, n_rows)
-    for row in range(start, end):
-        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        h = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row)
-        n = h * rstd
-        dw += dy * n.to(H.dtype.element_ty).to(tl.float32)
-        dn = dy * w
-        dh = rstd * (dn - n * (tl.sum(dn * n, axis=0) / n_cols))
-        if HAS_DRES:  # h is also an output (the residual stream): its gradient adds here
-            dh += tl.load(DHN + row * stride_dhn + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row * stride_dx + cols, dh.to(DX.dtype.element_ty), mask=mask)
-    # One fp32 partial per program: a deterministic reduction, no atomics.
-    tl.store(DW_PART + pid * n_cols + cols, dw, mask=mask)
-
-
 def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
     """x, residual (N, D) with unit stride on D -> y (N, D), h (N, D) or None, rstd (N,) fp32."""
+    from kernels.jit import rmsnorm as jit  # device code, imported on first launch
     n_rows, n_cols = x.shape
     h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y = x.new_empty(x.shape, dtype=torch.promote_types(h_dtype, weight.dtype))
@@ -91,7 +41,7 @@ def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
     rstd = x.new_empty(n_rows, dtype=torch.float32)
     block = _utils.row_block(n_cols)
     r, hh = (x, x) if residual is None else (residual, h)  # placeholders, unused without residual
-    _rms_norm_fwd_kernel[(n_rows,)](
+    jit.rms_norm_fwd_kernel[(n_rows,)](
         x, r, hh, y, weight, rstd, x.stride(0), r.stride(0), hh.stride(0), y.stride(0), n_cols, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_utils.num_warps(block),
     )
@@ -102,6 +52,7 @@ def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
 def rms_norm_bwd(dy: Tensor, dh_next: Tensor | None, h: Tensor, weight: Tensor, rstd: Tensor):
     """Gradients (dx, dweight) given dy, the gradient of the residual output (or None), the
     normalized input h and rstd saved by forward."""
+    from kernels.jit import rmsnorm as jit  # device code, imported on first launch
     n_rows, n_cols = h.shape
     dy = _utils.as_rows(dy)
     dx = torch.empty_like(h)
@@ -109,9 +60,9 @@ def rms_norm_bwd(dy: Tensor, dh_next: Tensor | None, h: Tensor, weight: Tensor, 
     dw_part = h.new_empty((programs, n_cols), dtype=torch.float32)
     dhn = dy if dh_next is None else _utils.as_rows(dh_next)
     block = _utils.row_block(n_cols)
-    _rms_norm_bwd_kernel[(programs,)](
+    jit.rms_norm_bwd_kernel[(programs,)](
         dy, dhn, h, weight, rstd, dx, dw_part, dy.stride(0), dhn.stride(0), h.stride(0), dx.stride(0),
-        n_rows, n_cols, triton.cdiv(n_rows, programs),
+        n_rows, n_cols, _utils.cdiv(n_rows, programs),
         HAS_DRES=dh_next is not None, BLOCK=block, num_warps=_utils.num_warps(block),
     )
     LAUNCHES["rms_norm_bwd"] += 1

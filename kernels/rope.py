@@ -1,6 +1,6 @@
 """Rotary position embedding applied to q and k in place (Su et al. 2021, arXiv 2104.09864).
 
-Half-split convention of HF checkpoints (core/model/rope.py): with x = [x1, x2] split along
+Half-split convention of HF checkpoints (`rotate_reference`): with x = [x1, x2] split along
 head_dim and cos = [c1, c2], sin = [s1, s2] likewise,
 
     forward   y1 = c1 x1 - s1 x2        y2 = c2 x2 + s2 x1
@@ -19,14 +19,12 @@ the same kernel rotates out of place: `posttrain::rope(x, cos, sin, inverse)`, f
 register_autograd (its backward is itself with `not inverse`). register_autograd refuses ops
 that mutate their inputs, so the in-place path's autograd is `RoPEFunction` around the mutating
 `posttrain::rope_` op; its backward is `posttrain::rope(dy, inverse=True)`.
-Reference: core.model.rope.apply_rope.
+Device code: kernels/jit/rope.py. Reference: `rotate_reference` (core.model.rope.apply_rope).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from kernels import _utils
@@ -35,37 +33,13 @@ from kernels.dispatch import use_triton
 LAUNCHES = _utils.counter()
 
 
-@triton.jit
-def _rope_kernel(
-    X, Y, COS, SIN, stride_b, stride_h, stride_t, sc_b, sc_t, ss_b, ss_t, seq_len, n_heads, half,
-    BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    b = (pid // seq_len).to(tl.int64)
-    t = (pid % seq_len).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)[None, :]
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    dmask = d < half
-    c1 = tl.load(COS + b * sc_b + t * sc_t + d, mask=dmask, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + b * sc_b + t * sc_t + half + d, mask=dmask, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + b * ss_b + t * ss_t + d, mask=dmask, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + b * ss_b + t * ss_t + half + d, mask=dmask, other=0.0).to(tl.float32)
-    if BACKWARD:  # the transpose of the forward map is the forward map with (s1, s2) -> (-s2, -s1)
-        s1, s2 = -s2, -s1
-    mask = (heads < n_heads) & dmask
-    off = b * stride_b + t * stride_t + heads * stride_h + d
-    x1 = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + off + half, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + off, (c1 * x1 - s1 * x2).to(Y.dtype.element_ty), mask=mask)
-    tl.store(Y + off + half, (c2 * x2 + s2 * x1).to(Y.dtype.element_ty), mask=mask)
-
-
 def rope_(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, backward: bool) -> None:
     """Rotate x (B, H, T, hd) into out (x itself for in place; else strided like x)."""
+    from kernels.jit import rope as jit  # device code, imported on first launch
     bsz, n_heads, seq_len, head_dim = x.shape
     cos, sin = cos.expand(bsz, seq_len, head_dim), sin.expand(bsz, seq_len, head_dim)
-    block_h, block_d = triton.next_power_of_2(n_heads), triton.next_power_of_2(head_dim // 2)
-    _rope_kernel[(bsz * seq_len,)](
+    block_h, block_d = _utils.next_power_of_2(n_heads), _utils.next_power_of_2(head_dim // 2)
+    jit.rope_kernel[(bsz * seq_len,)](
         x, out, cos, sin, x.stride(0), x.stride(1), x.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), seq_len, n_heads, head_dim // 2,
         BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_utils.num_warps(block_h * block_d),
@@ -155,16 +129,17 @@ def _writable(t: Tensor) -> bool:
     return not t._is_view() or _get_creation_meta(t) == CreationMeta.DEFAULT
 
 
-def _apply_rope_one(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # Imported here: core.model imports this module, so a top-level import would be circular.
-    from core.model.rope import apply_rope
-
-    return apply_rope(x, cos, sin)
+def rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (B, n_heads, T, head_dim) by cos/sin (B or 1, T, head_dim), out of place, in the
+    half-split convention HF checkpoints use (core.model.rope.apply_rope is this function)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def apply_rope_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Out of place, pure torch (core.model.rope.apply_rope on each of q and k)."""
-    return _apply_rope_one(q, cos, sin), _apply_rope_one(k, cos, sin)
+    """Out of place, pure torch (`rotate_reference` on each of q and k)."""
+    return rotate_reference(q, cos, sin), rotate_reference(k, cos, sin)
 
 
 def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:

@@ -8,16 +8,15 @@ exp per element is far cheaper than a (tokens, hidden) activation held until bac
 Math in fp32, stores in the input dtype. gate/up may be strided row views (e.g. the two halves
 of a fused gate_up projection): rows are addressed by stride, columns must be unit-stride.
 
-Layers: kernels -> launchers -> SwiGLUFunction -> `posttrain::swiglu` custom op -> `swiglu`
-(dispatch). Reference: `swiglu_reference` (what core.model.layers.MLP computes).
+Layers: kernels (kernels/jit/swiglu.py) -> launchers -> SwiGLUFunction -> `posttrain::swiglu`
+custom op -> `swiglu` (dispatch). Reference: `swiglu_reference` (what core.model.layers.MLP
+computes).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -28,54 +27,28 @@ LAUNCHES = _utils.counter()
 MAX_BLOCK = 1024  # columns per program; module-level so tests can shrink it to cover the tiling
 
 
-@triton.jit
-def _swiglu_fwd_kernel(G, U, Y, stride_g, stride_u, stride_y, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    y = g * tl.sigmoid(g) * u
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _swiglu_bwd_kernel(
-    DY, G, U, DG, DU, stride_dy, stride_g, stride_u, stride_dg, stride_du, n_cols, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    silu = g * sig
-    dg = dy * u * sig * (1.0 + g * (1.0 - sig))
-    tl.store(DG + row * stride_dg + cols, dg.to(DG.dtype.element_ty), mask=mask)
-    tl.store(DU + row * stride_du + cols, (dy * silu).to(DU.dtype.element_ty), mask=mask)
-
-
 def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int]:
-    block = min(MAX_BLOCK, triton.next_power_of_2(n_cols))
-    return (n_rows, triton.cdiv(n_cols, block)), block
+    block = min(MAX_BLOCK, _utils.next_power_of_2(n_cols))
+    return (n_rows, _utils.cdiv(n_cols, block)), block
 
 
 def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
     """gate, up (N, D) with unit column stride -> silu(gate) * up (N, D)."""
+    from kernels.jit import swiglu as jit  # device code, imported on first launch
     y = gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
     grid, block = _grid(*gate.shape)
-    _swiglu_fwd_kernel[grid](gate, up, y, gate.stride(0), up.stride(0), y.stride(0), gate.shape[1],
+    jit.swiglu_fwd_kernel[grid](gate, up, y, gate.stride(0), up.stride(0), y.stride(0), gate.shape[1],
                              BLOCK=block, num_warps=_utils.num_warps(block))
     LAUNCHES["swiglu_fwd"] += 1
     return y
 
 
 def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    from kernels.jit import swiglu as jit  # device code, imported on first launch
     dy = _utils.as_rows(dy)
     dgate, dup = gate.new_empty(gate.shape), up.new_empty(up.shape)
     grid, block = _grid(*gate.shape)
-    _swiglu_bwd_kernel[grid](dy, gate, up, dgate, dup, dy.stride(0), gate.stride(0), up.stride(0),
+    jit.swiglu_bwd_kernel[grid](dy, gate, up, dgate, dup, dy.stride(0), gate.stride(0), up.stride(0),
                              dgate.stride(0), dup.stride(0), gate.shape[1],
                              BLOCK=block, num_warps=_utils.num_warps(block))
     LAUNCHES["swiglu_bwd"] += 1

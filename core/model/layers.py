@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from core.lora import LoRALinear
 from kernels.lora import swiglu_lora_linear
 from kernels.rmsnorm import rms_norm
 from kernels.swiglu import swiglu
@@ -33,17 +34,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        lora = _plain_lora(self.down_proj)
+        down = self.down_proj
+        lora = down.fusable_lora() if isinstance(down, LoRALinear) else None
         if lora is not None:  # LoRA on down_proj: one op that need not keep silu(gate) * up for backward
             return swiglu_lora_linear(gate, up, *lora)
-        return self.down_proj(swiglu(gate, up))
-
-
-def _plain_lora(mod: nn.Module) -> tuple | None:
-    """LoRALinear.plain_lora() when `mod` is exactly a LoRALinear with no hooks around its forward
-    (tensor-parallel forms and FSDP-wrapped linears change the class), else None."""
-    from core.lora import LoRALinear
-
-    if type(mod) is not LoRALinear or mod._forward_hooks or mod._forward_pre_hooks:
-        return None
-    return mod.plain_lora()
+        return down(swiglu(gate, up))

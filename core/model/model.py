@@ -215,10 +215,14 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
-        inv_freq, self.rope_scale = rope_frequencies(
-            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
-        )
+        inv_freq, self.rope_scale = self._rope_frequencies()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _rope_frequencies(self) -> tuple[torch.Tensor, float]:
+        """(inv_freq (head_dim // 2,) fp32, the attention scale of cos/sin) for self.args: the one
+        place they are computed (at construction, and again whenever inv_freq must be rebuilt)."""
+        a = self.args
+        return rope_frequencies(a.head_dim, a.rope_theta, a.rope_scaling, a.max_position_embeddings)
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when configured. Call again after anything
@@ -243,10 +247,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """(Re)compute non-parameter state: RoPE frequencies (fp32) and MoE routing buffers."""
-        args = self.args
         device = self.embed.weight.device
-        inv_freq, _ = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
-        self.inv_freq = inv_freq.to(device)
+        self.inv_freq = self._rope_frequencies()[0].to(device)
         for m in self.moe_layers():
             m.router.expert_bias = torch.zeros(m.args.num_experts, device=device)
             m.tokens_per_expert = torch.zeros(m.args.num_experts, device=device)
@@ -286,10 +288,7 @@ class Transformer(nn.Module):
         # Keep the RoPE frequencies in fp32 whatever dtype the weights are cast to.
         super()._apply(fn, recurse)
         if self.inv_freq.dtype != torch.float32 and not self.inv_freq.is_meta:
-            args = self.args
-            inv_freq, _ = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling,
-                                           args.max_position_embeddings)
-            self.inv_freq = inv_freq.to(self.inv_freq.device)
+            self.inv_freq = self._rope_frequencies()[0].to(self.inv_freq.device)
         # expert_bias must stay fp32 too: a bf16 bias cannot represent small balancing steps.
         for m in self.moe_layers():
             if m.router.expert_bias.is_floating_point() and m.router.expert_bias.dtype != torch.float32:

@@ -8,6 +8,10 @@ from typing import Any
 
 import torch
 
+# The rotation itself (x (B, n_heads, T, head_dim) by cos/sin, the half-split convention HF
+# checkpoints use) is the torch reference of the RoPE kernel and lives beside it.
+from kernels.rope import rotate_reference as apply_rope  # noqa: F401
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -78,10 +82,3 @@ def rope_cos_sin(
     freqs = position_ids[..., None].float() * inv_freq.float().to(position_ids.device)  # (B, T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, n_heads, T, head_dim) by the half-split convention HF checkpoints use."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -23,12 +23,12 @@ from core.losses import (
     DISTILL_KINDS,
     IGNORE_INDEX,
     REDUCTIONS,
-    _check_choice,
-    _compute_dtype,
-    _divergence,
     _per_sequence,
-    _reduce,
-    _shift,
+    ce_logits_inputs,
+    check_choice,
+    compute_dtype,
+    divergence,
+    masked_reduce,
 )
 from core.parallel.mappings import copy_to_tp, reduce_from_tp
 
@@ -75,19 +75,13 @@ def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, group: dist.Pro
 
         CE_t = logsumexp_v z_tv - z_t,y_t,   the target logit taken on the rank that owns y_t.
     """
-    _check_choice("reduction", reduction, REDUCTIONS)
-    z = logits.to(_compute_dtype(logits.dtype))
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    if shift:
-        labels = _shift(labels, ignore_index)
-    keep = labels != ignore_index
+    z, labels, keep = ce_logits_inputs(logits, labels, ignore_index, reduction, shift, softcap)
     rel = labels - _vocab_start(z, group)
     mine = keep & (rel >= 0) & (rel < z.shape[-1])
     z_mine = z.gather(-1, torch.where(mine, rel, 0)[..., None]).squeeze(-1)
     z_target = reduce_from_tp(torch.where(mine, z_mine, 0.0), group)
     per_token = vocab_parallel_logsumexp(z, group) - z_target
-    return _reduce(per_token, keep, reduction)
+    return masked_reduce(per_token, keep, reduction)
 
 
 def vocab_parallel_token_logps(logits: Tensor, labels: Tensor, group: dist.ProcessGroup,
@@ -112,14 +106,14 @@ def vocab_parallel_distill_loss(student_logits: Tensor, teacher_logits: Tensor, 
     """core.losses.distill_loss (forward KL, reverse KL, generalized JSD) for student and teacher
     logits both split by vocab over `group` the same way. Each divergence is a vocab sum of
     elementwise terms of the two log-softmaxes: summed per rank, then all-reduced."""
-    _check_choice("kind", kind, DISTILL_KINDS)
-    _check_choice("reduction", reduction, REDUCTIONS)
+    check_choice("kind", kind, DISTILL_KINDS)
+    check_choice("reduction", reduction, REDUCTIONS)
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"student logits {tuple(student_logits.shape)} != teacher {tuple(teacher_logits.shape)}")
-    dt = _compute_dtype(student_logits.dtype)
+    dt = compute_dtype(student_logits.dtype)
     logp_s = vocab_parallel_log_softmax(student_logits.to(dt) / temperature, group)
     logp_t = vocab_parallel_log_softmax(teacher_logits.to(dt) / temperature, group)
-    per_token = reduce_from_tp(_divergence(logp_s, logp_t, kind, beta), group)
+    per_token = reduce_from_tp(divergence(logp_s, logp_t, kind, beta), group)
     per_token = per_token * (temperature**2 if scale_by_t2 else 1.0)
     keep = torch.ones_like(per_token, dtype=torch.bool) if mask is None else mask
-    return _reduce(per_token, keep, reduction)
+    return masked_reduce(per_token, keep, reduction)

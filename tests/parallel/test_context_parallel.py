@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from core.config import ParallelConfig
-from core.losses import IGNORE_INDEX, _shift, cross_entropy
+from core.losses import IGNORE_INDEX, cross_entropy
+from core.losses import shift_labels as _shift
 from core.model.model import build_attention_mask
 from core.parallel import context_parallel_shard, context_parallel_unshard, parallelize
 from core.parallel.context import cp_batch, ring_attention
