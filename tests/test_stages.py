@@ -219,3 +219,22 @@ def test_parallel_backend_is_the_process_groups(monkeypatch):
         assert dist.get_backend() == "gloo"
     finally:
         dist.destroy_process_group()
+
+
+def test_model_kernels_setting_reaches_the_dispatch(prepared, monkeypatch):
+    """ModelConfig.kernels is what the stage's ops dispatch on (tests/test_kernels_dispatch.py shows
+    that mode 'torch' keeps every op off the Triton kernels); the environment variable only acts
+    where no config set it."""
+    from kernels import dispatch
+    from stages.recipe import open_session
+
+    monkeypatch.setenv("POSTTRAIN_KERNELS", "torch")
+    try:
+        for setting in ("torch", "auto"):
+            cfg = SFTConfig(output_dir=str(prepared / "kernels"), tracking=OFF,
+                            model={"name_or_path": str(prepared / "student"), "kernels": setting},
+                            data={**DATA, "sources": [str(prepared / "data")]})
+            open_session("sft", cfg)
+            assert dispatch.mode() == setting
+    finally:
+        dispatch.set_mode(None)
