@@ -29,7 +29,13 @@ def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("pipeline")
     old = os.getcwd()
     os.chdir(d)
-    yield d
+    with pytest.MonkeyPatch.context() as mp:
+        # What `posttrain run` sets (flows.cli.main): Prefect's ephemeral API server takes longer
+        # than its default patience to start on a busy 2-core machine. A user's own setting wins.
+        for var, value in (("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"),
+                           ("PREFECT_SERVER_ANALYTICS_ENABLED", "false")):
+            mp.setenv(var, os.environ.get(var, value))
+        yield d
     os.chdir(old)
 
 
