@@ -29,12 +29,15 @@ def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("pipeline")
     old = os.getcwd()
     os.chdir(d)
-    with pytest.MonkeyPatch.context() as mp:
-        # What `posttrain run` sets (flows.cli.main): Prefect's ephemeral API server takes longer
-        # than its default patience to start on a busy 2-core machine. A user's own setting wins.
-        for var, value in (("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"),
-                           ("PREFECT_SERVER_ANALYTICS_ENABLED", "false")):
-            mp.setenv(var, os.environ.get(var, value))
+    from prefect.settings import (PREFECT_SERVER_ANALYTICS_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+                                  temporary_settings)
+
+    # What `posttrain run` sets (flows.cli.main): Prefect's ephemeral API server takes longer than
+    # its default patience to start on a busy 2-core machine. A user's own setting wins. (As
+    # settings, not env: prefect may have been imported, and its settings read, already.)
+    settings = {s: v for s, v in ((PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, 180),
+                                  (PREFECT_SERVER_ANALYTICS_ENABLED, False)) if s.name not in os.environ}
+    with temporary_settings(settings):
         yield d
     os.chdir(old)
 
