@@ -4,6 +4,9 @@
     python -m benchmarks.sft [--quick] [--steps N] [--reps R] [--out file.json]
     posttrain bench sft [--quick] ...
 
+Needs transformers and peft for the baseline side: pip install 'posttrain[bench]' (it says so and
+exits with status 2, before any work, when either is missing).
+
 Model: Llama-shaped (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408, vocab 8192),
 fp32 on CPU, random weights built with core.model, exported with registry.hf.save_pretrained to a
 temporary directory. LoRA rank 16, alpha 32, every linear layer but the output head, with the
@@ -85,6 +88,9 @@ QUICK: dict[str, Any] = dict(
 LORA = dict(rank=16, alpha=32, targets="all-linear", dropout=0.0)
 OPTIM = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)  # torch.optim.AdamW's defaults
 SEED = 0
+# The baseline side; not posttrain dependencies (the `bench` extra installs them).
+REQUIRED = ("transformers", "peft")
+INSTALL_HINT = "pip install 'posttrain[bench]'"
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -276,6 +282,21 @@ def _baseline(cfg, model_dir, adapter_dir):
 # ------------------------------------------------------------------------------------- driver
 
 
+def missing_packages(names=REQUIRED) -> list[str]:
+    """Those of `names` that cannot be found for import (located, not imported: no side effects)."""
+    import importlib.util
+
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a finder refusing it, or a broken half-imported module
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def _in_fresh_process(ctx, fn, *args):
     """Run fn(*args) in a new process forked from the forkserver (so the RSS baseline is common)."""
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as ex:
@@ -362,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in a.shapes.split(",") if s]
     if not shapes or set(shapes) - set(SHAPES):
         p.error(f"--shapes takes a comma-separated subset of {SHAPES}")
+    missing = missing_packages()
+    if missing:  # before any work: the forkserver would only fail on them minutes later
+        print(f"benchmarks.sft compares against transformers + peft; not installed: {', '.join(missing)}. "
+              f"Install them with: {INSTALL_HINT}", file=sys.stderr)
+        return 2
 
     import multiprocessing as mp
 

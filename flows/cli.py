@@ -103,12 +103,33 @@ def cmd_generate(args) -> int:
 
     from core.config import ModelConfig
     from core.model.generate import SamplingParams, generate
-    from stages.common import load_model, load_tokenizer
+    from registry.hf import CheckpointError
+    from stages.common import StageError, load_model, load_tokenizer, resolve_model_dir
 
-    model, _ = load_model(ModelConfig(name_or_path=args.model), torch.device("cpu"))
-    tok = load_tokenizer(args.tokenizer, args.model)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-               for p in args.prompts]
+    try:
+        is_preset = resolve_model_dir(args.model)[0] is None
+        model, _ = load_model(ModelConfig(name_or_path=args.model), torch.device("cpu"))
+        vocab = model.args.vocab_size
+        if args.tokenizer is None and is_preset:
+            # A preset has random weights and no tokenizer: bytes + ChatML, built in memory.
+            from flows.byte_tokenizer import byte_tokenizer
+
+            try:
+                tok = byte_tokenizer(vocab)
+            except ValueError as e:
+                raise StageError(f"preset {args.model!r}: {e}; pass --tokenizer DIR") from None
+        else:
+            tok = load_tokenizer(args.tokenizer, args.model)
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                   for p in args.prompts]
+        too_big = max(max(ids) for ids in prompts)
+        if too_big >= vocab:
+            raise StageError(f"the tokenizer gives id {too_big}, beyond the model's vocabulary ({vocab} ids): "
+                             "the tokenizer is not this model's; pass the right --tokenizer DIR")
+    except (StageError, CheckpointError) as e:
+        hint = "" if "--tokenizer" in str(e) or "tokenizer.json" not in str(e) else "; pass --tokenizer DIR"
+        print(f"generate: {e}{hint}", file=sys.stderr)
+        return 2
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, stop_token_ids=tuple(tok.eos_ids))
     for p, g in zip(args.prompts, generate(model.eval(), prompts, params, pad_id=tok.pad_id or 0)):
@@ -157,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="sample completions from a model")
     p.add_argument("model", help="preset name, HF checkpoint dir or stage output dir")
     p.add_argument("prompts", nargs="+")
-    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer dir (default: the model's; for a preset, a built-in byte-level ChatML one)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -29,7 +29,16 @@ def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("pipeline")
     old = os.getcwd()
     os.chdir(d)
-    yield d
+    from prefect.settings import (PREFECT_SERVER_ANALYTICS_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+                                  temporary_settings)
+
+    # What `posttrain run` sets (flows.cli.main): Prefect's ephemeral API server takes longer than
+    # its default patience to start on a busy 2-core machine. A user's own setting wins. (As
+    # settings, not env: prefect may have been imported, and its settings read, already.)
+    settings = {s: v for s, v in ((PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, 180),
+                                  (PREFECT_SERVER_ANALYTICS_ENABLED, False)) if s.name not in os.environ}
+    with temporary_settings(settings):
+        yield d
     os.chdir(old)
 
 
@@ -64,28 +73,60 @@ def test_every_stage_ran_and_wrote_its_manifest(first_run):
     assert dpo["val/accuracy"] > dpo["val/accuracy_initial"]
 
 
-def test_mlflow_holds_parent_and_children_and_registry_alias(first_run, workdir):
-    import mlflow
+STAGE_NAMES = ["data_prep", "sft_teacher", "sft_student", "distill", "dpo", "evaluate"]
+
+
+def _client(workdir: Path):
     from mlflow import MlflowClient
 
-    uri = f"sqlite:///{workdir / 'mlflow.db'}"
-    runs = mlflow.search_runs(experiment_names=["posttrain"], tracking_uri=uri, output_format="list") \
-        if "tracking_uri" in mlflow.search_runs.__code__.co_varnames else None
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name("posttrain")
-    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{first_run.parent_run_id}'")
-    stages = sorted(r.data.tags["posttrain.stage"] for r in children)
-    assert stages == sorted(["data_prep", "sft", "sft", "distill", "dpo", "evaluate"])
-    assert all(r.info.status == "FINISHED" for r in children)
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    return client, client.get_experiment_by_name("posttrain").experiment_id
+
+
+def _children(client, exp_id: str, parent_id: str) -> list:
+    return client.search_runs([exp_id], f"tags.mlflow.parentRunId = '{parent_id}'")
+
+
+def test_mlflow_holds_parent_and_children_and_registry_alias(first_run, workdir):
+    client, exp_id = _client(workdir)
     parent = client.get_run(first_run.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.info.run_name == "demo"
+    assert parent.data.tags["posttrain.pipeline"] == "demo"
     assert parent.data.tags["prefect.flow_run_id"]
+    assert "mlflow.parentRunId" not in parent.data.tags  # the pipeline run is top-level
+    # Everything the first pipeline run logged: one top-level run, every other run its child.
+    during = [r for r in client.search_runs([exp_id], max_results=1000)
+              if r.info.start_time <= parent.info.end_time]
+    assert [r.info.run_id for r in during if "mlflow.parentRunId" not in r.data.tags] == [first_run.parent_run_id]
+    children = _children(client, exp_id, first_run.parent_run_id)
+    assert len(children) == len(during) - 1 == len(STAGE_NAMES)
+    # One child per stage, named after the pipeline's stage, tagged with the stage program it ran.
+    by_name = {r.info.run_name: r for r in children}
+    assert sorted(by_name) == sorted(STAGE_NAMES)
+    programs = {n: r.data.tags["posttrain.stage"] for n, r in by_name.items()}
+    assert programs == {"data_prep": "data_prep", "sft_teacher": "sft", "sft_student": "sft",
+                        "distill": "distill", "dpo": "dpo", "evaluate": "evaluate"}
+    for name, r in by_name.items():
+        assert r.info.status == "FINISHED", name
+        assert r.info.experiment_id == parent.info.experiment_id, name
+        assert parent.info.start_time <= r.info.start_time <= r.info.end_time <= parent.info.end_time, name
+        assert "posttrain.error" not in r.data.tags, name
+        # the manifest points at the child run that produced it
+        recorded = first_run.stages[name].mlflow_run_id
+        assert recorded in (None, r.info.run_id), name
+    recording = {n for n in STAGE_NAMES if first_run.stages[n].mlflow_run_id is not None}
+    assert recording >= set(STAGE_NAMES) - {"data_prep"}  # every training stage and the evaluation
+    # The parent carries each stage's final metrics under the stage's name.
+    sft = by_name["sft_student"].data.metrics
+    assert sft["val/loss"] == pytest.approx(first_run.stages["sft_student"].metrics["val/loss"])
+    assert parent.data.metrics["sft_student/val/loss"] == pytest.approx(sft["val/loss"])
+    assert parent.data.params["registry.model_name"] == "e2e-model"
     artifacts = {a.path for a in client.list_artifacts(first_run.parent_run_id, "plots")}
     assert {"plots/loss_curves.png", "plots/eval_comparison.png"} <= artifacts
     version = client.get_model_version_by_alias("e2e-model", "candidate")
     assert version.run_id == first_run.parent_run_id
     assert first_run.registered["promoted"]  # the first model becomes champion
     assert client.get_model_version_by_alias("e2e-model", "champion").version == version.version
-    del runs
 
 
 def test_second_run_is_cached_and_a_change_reruns_only_descendants(first_run, workdir):
@@ -95,6 +136,16 @@ def test_second_run_is_cached_and_a_change_reruns_only_descendants(first_run, wo
     assert all(r.cached for r in again.stages.values())
     changed = run_pipeline(config(workdir, "dpo.beta=0.2"))
     assert {n for n, r in changed.stages.items() if not r.cached} == {"dpo", "evaluate"}
+    # Each pipeline run is its own parent run; only the stages that ran have child runs.
+    client, exp_id = _client(workdir)
+    parents = {first_run.parent_run_id, again.parent_run_id, changed.parent_run_id}
+    assert len(parents) == 3
+    for run in (again, changed):
+        assert client.get_run(run.parent_run_id).info.status == "FINISHED"
+    assert _children(client, exp_id, again.parent_run_id) == []
+    reran = _children(client, exp_id, changed.parent_run_id)
+    assert sorted(r.info.run_name for r in reran) == ["dpo", "evaluate"]
+    assert all(r.info.status == "FINISHED" for r in reran)
 
 
 def test_failing_stage_is_retried_and_reported(first_run, workdir):
@@ -112,5 +163,15 @@ def test_failing_stage_is_retried_and_reported(first_run, workdir):
     assert "no such directory" in log
     client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("posttrain")
-    failed = client.search_runs([exp.experiment_id], "attributes.status = 'FAILED'")
-    assert any("stage sft_student failed" in r.data.tags.get("posttrain.error", "") for r in failed)
+    (parent,) = client.search_runs([exp.experiment_id], "tags.`posttrain.pipeline` = 'broken'")
+    assert parent.info.status == "FAILED"
+    assert "stage sft_student failed" in parent.data.tags["posttrain.error"]
+    children = _children(client, exp.experiment_id, parent.info.run_id)
+    # data prep succeeded; sft_student fails loading its model, before or after opening its run
+    # (an attempt's child run, where there is one, is FAILED with the error): never a FINISHED one
+    assert [(r.info.run_name, r.info.status) for r in children if r.info.run_name != "sft_student"] \
+        == [("data_prep", "FINISHED")]
+    attempts = [r for r in children if r.info.run_name == "sft_student"]
+    assert len(attempts) <= 2
+    for r in attempts:
+        assert r.info.status == "FAILED" and "no such directory" in r.data.tags["posttrain.error"]
