@@ -53,13 +53,13 @@ def on_policy_pairs(model, tok, rows: list[dict[str, Any]], cfg: DPOConfig, d: D
             best, worst = scored[0], scored[-1]
             if verify(r["answer"], tok.decode(best.tokens, skip_special_tokens=True)) == 0:
                 # no sample solved it: the known answer is the chosen side (as in rejection sampling)
-                best_ids = r["chosen_ids"]
+                best_ids, best_labels = r["chosen_ids"], r["chosen_labels"]
             else:
-                best_ids = best.tokens
+                best_ids, best_labels = best.tokens, best.tokens
             worst_ok = verify(r["answer"], tok.decode(worst.tokens, skip_special_tokens=True))
             if worst_ok or not worst.tokens or best_ids == worst.tokens:
                 continue
-            pairs.append(PreferencePair(r["prompt_ids"], best_ids, best_ids, worst.tokens, worst.tokens))
+            pairs.append(PreferencePair(r["prompt_ids"], best_ids, best_labels, worst.tokens, worst.tokens))
     model.train()
     return pairs
 
@@ -124,8 +124,9 @@ def run(cfg: DPOConfig) -> dict:
         raise StageError(f"dpo: pairs='on_policy' samples with a KV cache, which tensor parallelism does not support "
                          f"yet; set parallel.tp=1 (parallel.tp={cfg.parallel.tp}) or pairs='offline'")
     model, tok, upstream, d = build_policy(cfg, d)  # d: now with the mesh
-    train_rows = [r for _, r in preference_pairs(cfg.data.sources, "train")]
-    val_pairs = [p for p, _ in preference_pairs(cfg.data.sources, "val")]
+    train_data = preference_pairs(cfg.data.sources, "train", tok, cfg.data)
+    train_rows = [r for _, r in train_data]
+    val_pairs = [p for p, _ in preference_pairs(cfg.data.sources, "validation", tok, cfg.data)]
     with stage_run(cfg, "dpo", d.is_main) as run_:
         if cfg.pairs == "on_policy":
             t0 = time.time()
@@ -133,8 +134,7 @@ def run(cfg: DPOConfig) -> dict:
             pairs = on_policy_pairs(model, tok, train_rows[: max(budget // 2, 1)], cfg, d)
             run_.log_metrics({"on_policy/pairs": len(pairs), "on_policy/seconds": time.time() - t0}, step=0)
         else:
-            pairs = [PreferencePair(r["prompt_ids"], r["chosen_ids"], r["chosen_ids"], r["rejected_ids"],
-                                    r["rejected_ids"]) for r in train_rows]
+            pairs = [p for p, _ in train_data]
         if not pairs:
             raise SystemExit("dpo: no preference pairs (on-policy sampling found none that differ)")
 

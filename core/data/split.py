@@ -4,6 +4,9 @@ A row's split depends on nothing but its own content, so adding rows never moves
 between splits (a shuffled index split would), and a row that appears twice, in two files or with
 different whitespace, lands in the same split twice instead of leaking from train into validation.
 The content hashed is the row's prompt side (`split_key`), for the same reason one level up.
+
+Split names are "train", "validation" and "test" everywhere: data prep's Parquet files and
+manifest outputs (`sft_validation`), saved DatasetDicts, the readers and the stages.
 """
 
 from __future__ import annotations
@@ -15,6 +18,16 @@ import unicodedata
 from typing import Any
 
 SPLITS = ("train", "validation", "test")
+# Accepted on input only, while callers (EvalConfig.split, older stage code) still say "val".
+_ALIASES = {"val": "validation"}
+
+
+def canonical_split(split: str) -> str:
+    """The split's name in SPLITS; "val" is read as "validation". Anything else is a ValueError."""
+    name = _ALIASES.get(split, split)
+    if name not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+    return name
 
 
 def _normalize(value: Any) -> Any:
