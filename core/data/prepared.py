@@ -132,7 +132,8 @@ def _load_raw(src: str | Path, task: str, split: str, tokenizer: Tokenizer | Non
     from core.data.dataset import load_data
 
     if tokenizer is None or cfg is None:
-        raise DataError("raw data (not a data-prep stage directory) needs a tokenizer and a DataConfig", source=str(src))
+        raise DataError("raw data (not a data-prep stage directory) needs a tokenizer and a DataConfig",
+                        source=str(src))
     data = load_data(cfg.model_copy(update={"sources": [str(src)]}), tokenizer)
     if data.task != task:
         raise DataError(f"holds {data.task} rows; this stage needs {task} rows", source=str(src))
