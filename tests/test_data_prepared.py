@@ -131,3 +131,16 @@ def test_reader_refuses_parquet_without_labels(tmp_path):
         read_pairs(old, "train")
     (tmp_path / "manifest.json").write_text(json.dumps({"outputs": {"sft_train": "x.parquet"}}))
     assert read_documents(tmp_path, "test") == []  # prepared, but the split has no rows
+
+
+def test_raw_sources_are_read_by_the_same_api(tmp_path):
+    from core.data import load_documents, load_pairs
+
+    tok, cfg = make_tokenizer(), DataConfig(val_fraction=0.0, max_seq_len=2048)
+    pref = write_jsonl(tmp_path / "pref.jsonl", [PREF])
+    ((pair, row),) = load_pairs([pref], "train", tok, cfg)
+    assert pair == Encoder(tok, 2048)(validate_row(PREF, "preference")) and row["chosen_labels"] == pair.chosen_labels
+    with pytest.raises(DataError, match="holds preference rows; this stage needs sft rows"):
+        load_documents([pref], "train", tok, cfg)
+    with pytest.raises(DataError, match="needs a tokenizer and a DataConfig"):
+        load_pairs([pref], "train")
