@@ -226,7 +226,7 @@ class DataConfig(_Base):
     chat_template: str | None = Field(None, description="Template name or Jinja file; None = tokenizer's.")
     mask_prompt: bool = Field(True, description="Loss on responses only.")
     seed: int = Field(0, ge=0, lt=2**63, description="Shuffle seed (sampling is deterministic and resumable).")
-    val_fraction: float = Field(0.05, ge=0, lt=1, description="Held out for val if sources lack the split.")
+    val_fraction: float = Field(0.05, ge=0, lt=1, description="Held out for validation if sources lack the split.")
     test_fraction: float = Field(0.0, ge=0, lt=1, description="Held out for test if sources lack the split.")
     dedup: bool = Field(False, description="Drop exact duplicates (data prep already does).")
 
@@ -374,7 +374,7 @@ class DataPrepConfig(StageConfig):
     synthetic_tasks: list[str] | None = Field(None, description="Synthetic tasks; None = all.")
     tokenizer: str | None = Field(None, description="HF tokenizer dir; None = train a small BPE one.")
     vocab_size: int = Field(512, ge=32, description="Vocabulary of the trained tokenizer.")
-    val_fraction: float = Field(0.05, ge=0, lt=1, description="Share of examples in the val split.")
+    val_fraction: float = Field(0.05, ge=0, lt=1, description="Share of examples in the validation split.")
     test_fraction: float = Field(0.05, ge=0, lt=1, description="Share of examples in the test split.")
     dedup: bool = Field(True, description="Drop duplicates before splitting, so no test row leaks.")
     min_tokens: int = Field(1, ge=1, description="Drop shorter examples.")
@@ -489,7 +489,7 @@ class EvalConfig(StageConfig):
         ParallelConfig(), description="Device, backend and data-parallel ranks the examples are split over "
                                       "(each holds the whole model: tp, pp, cp and ep stay 1).")
     data: DataConfig = Field(DataConfig(), description="Evaluation data.")
-    split: Literal["val", "test"] = Field("test", description="Split evaluated.")
+    split: Literal["validation", "test"] = Field("test", description="Split evaluated.")
     max_examples: int | None = Field(None, gt=0, description="At most this many examples; None = all.")
     max_new_tokens: int = Field(64, gt=0, description="Generation length.")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 = greedy.")

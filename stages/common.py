@@ -151,20 +151,6 @@ def load_tokenizer(*candidates: str | Path | None):
     return Tokenizer.from_pretrained(find_tokenizer_dir(*candidates))
 
 
-def data_files(source: str | Path, fmt: str, split: str) -> list[Path]:
-    """Data files of `split` from a data-prep stage dir, or the source itself."""
-    p = Path(source)
-    if is_stage_dir(p):
-        key = f"{fmt}_{split}"
-        outputs = read_manifest(p)["outputs"]
-        if key not in outputs:
-            raise StageError(f"{p}: data prep produced no {key!r} (has {sorted(outputs)})")
-        return [p / outputs[key]]
-    if not p.exists():
-        raise StageError(f"data source {p}: no such file or directory")
-    return [p]
-
-
 # ---------------------------------------------------------------------------------------------
 # Progress
 

@@ -1,24 +1,30 @@
 """Data preparation: import and validate sources (or make the synthetic suite), train or load a
-tokenizer, deduplicate, filter by token length, split deterministically, tokenize once, and write
-Parquet files plus a manifest.
+tokenizer, then core.data's one path (dedup, encode with labels, filter by token length, split by
+content hash) and Parquet files plus a manifest (layout: core.data.prepared).
+
+Drops are counted as `dropped/{task}:{reason}` (core.data.errors.REASONS: invalid rows in skip
+mode, duplicate, too_long over max_tokens, too_short under min_tokens).
 
     python -m stages.data_prep --config spec.json     (rank 0 works; other ranks wait)
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import logging
-import re
-import unicodedata
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from core.config import DataPrepConfig
+from core.data import (SPLITS, DataError, DropStats, Encoder, ExamplePipeline, detect_format, for_each_example,
+                       num_tokens, output_key, record, validate_row)
+from core.data.errors import RowError
+from core.data.formats import Example, Preference
+from core.data.prepared import TASKS as PREPARED_TASKS
 from core.manifest import write_manifest
 from core.tasks import TASKS, make_suite
-from stages.common import StageError, parse_spec, stage_run, start_distributed
+from stages.common import parse_spec, stage_run, start_distributed
 
 log = logging.getLogger("posttrain.data_prep")
 
@@ -51,124 +57,97 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     return Tokenizer.from_pretrained(out_dir)
 
 
-def normalize_text(s: str) -> str:
-    s = unicodedata.normalize("NFKC", s).casefold()
-    return re.sub(r"\s+", " ", s).strip()
-
-
-def row_key(row: dict[str, Any]) -> str:
-    """The text a row is deduplicated and split by: its prompt side, normalized."""
-    if "messages" in row:
-        parts = [str(m.get("content") or "") for m in row["messages"] if m.get("role") != "assistant"]
-    else:
-        p = row["prompt"]
-        parts = [p] if isinstance(p, str) else [str(m.get("content") or "") for m in p]
-    return normalize_text(" \n".join(parts))
-
-
-def split_of(key: str, val: float, test: float) -> str:
-    """Deterministic split from a hash of the row's key: adding rows never moves existing ones."""
-    u = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
-    return "test" if u < test else "val" if u < test + val else "train"
-
-
-def tokenize_sft(tok, row: dict[str, Any]) -> tuple[list[int], list[int]]:
-    if "messages" in row:
-        ids, mask = tok.encode_chat_with_mask(row["messages"])
-    else:
-        ids, mask = tok.encode_prompt_completion(row["prompt"], row["completion"])
-    return ids, [i if m else -100 for i, m in zip(ids, mask)]
-
-
-def tokenize_preference(tok, row: dict[str, Any]) -> dict[str, list[int]]:
-    prompt = row["prompt"] if not isinstance(row["prompt"], str) else [{"role": "user", "content": row["prompt"]}]
-    out = {"prompt_ids": tok.apply_chat_template(prompt, add_generation_prompt=True)}
-    for side in ("chosen", "rejected"):
-        ids, mask = tok.encode_prompt_completion(prompt, row[side])
-        n = len(out["prompt_ids"])
-        if ids[:n] != out["prompt_ids"]:
-            raise StageError(f"chat template renders the prompt differently with a {side} reply")
-        # only the tokens the model must generate: content + end of turn, not template whitespace
-        out[f"{side}_ids"] = [i for i, m in zip(ids[n:], mask[n:]) if m]
+def _texts(example: Example) -> list[str]:
+    """The text of an example, for training the tokenizer: message contents or plain strings."""
+    out: list[str] = []
+    for value in dataclasses.asdict(example).values():
+        if isinstance(value, str):
+            out.append(value)
+        else:
+            out.extend(str(m.get("content") or "") for m in value)
     return out
 
 
-def _sources(cfg: DataPrepConfig, drops: Counter) -> dict[str, list[dict[str, Any]]]:
-    """Rows by format ('sft', 'preference'), from user sources or the synthetic suite."""
-    rows: dict[str, list[dict[str, Any]]] = {"sft": [], "preference": []}
-    if cfg.sources:
-        from core.data import load_rows
+def _task(example: Example) -> str:
+    return "preference" if isinstance(example, Preference) else "sft"
 
-        for src in cfg.sources:
-            fmt, loaded, src_drops = load_rows(src, cfg.format, on_bad_row=cfg.on_bad_row)
-            rows[fmt].extend(loaded)
-            drops.update({f"invalid:{k}": v for k, v in src_drops.items()})
-    if cfg.synthetic_size:
-        suite = make_suite(cfg.synthetic_size, cfg.synthetic_seed, tuple(cfg.synthetic_tasks or TASKS))
-        rows["sft"].extend(e.sft_row() for e in suite)
-        rows["preference"].extend(e.preference_row() for e in suite)
-    return rows
+
+def _tokenizer(cfg: DataPrepConfig, out: Path, suite: list) -> Any:
+    """The tokenizer given (copied beside the data), or a BPE trained on every example's text."""
+    from registry.tokenizer import Tokenizer
+
+    if cfg.tokenizer:
+        tok = Tokenizer.from_pretrained(cfg.tokenizer)
+        tok.save_pretrained(out / "tokenizer")
+        return tok
+    texts: list[str] = []
+    for src in cfg.sources:  # validated (bad rows raise or are skipped as in the main pass), not counted
+        for_each_example([src], cfg.format, cfg.on_bad_row, DropStats(), lambda _, ex: texts.extend(_texts(ex)),
+                         require_rows=False)
+    texts += [m["content"] for e in suite for m in e.sft_row()["messages"]]
+    texts += ["system\nuser\nassistant\n"] * 100  # role names of the chat template
+    return train_tokenizer(texts, cfg.vocab_size, out / "tokenizer")
 
 
 def prepare(cfg: DataPrepConfig) -> dict[str, Any]:
+    """Sources and the synthetic suite through core.data's one path: validate (for_each_example),
+    then per task dedup by content hash, encode (Encoder: chat template, labels; examples over
+    max_tokens dropped), drop under min_tokens, split by core.data.split; then Parquet + manifest."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out = Path(cfg.output_dir or "data_prep")
     (out / "data").mkdir(parents=True, exist_ok=True)
+    suite = make_suite(cfg.synthetic_size, cfg.synthetic_seed, tuple(cfg.synthetic_tasks or TASKS)) \
+        if cfg.synthetic_size else []
+    tok = _tokenizer(cfg, out, suite)
+
+    encoder = Encoder(tok, cfg.max_tokens, truncation="drop")
+    pipelines = {task: ExamplePipeline(encoder, cfg.val_fraction, cfg.test_fraction, dedup=cfg.dedup,
+                                       min_tokens=cfg.min_tokens) for task in PREPARED_TASKS}
+    records: dict[str, dict[str, list[dict[str, Any]]]] = {t: {s: [] for s in SPLITS} for t in PREPARED_TASKS}
+    lengths: dict[str, list[int]] = {t: [] for t in PREPARED_TASKS}
     drops: Counter = Counter()
-    rows = _sources(cfg, drops)
 
-    if cfg.tokenizer:
-        from registry.tokenizer import Tokenizer
+    def add(example: Example, fields: dict[str, Any], split: str | None = None) -> None:
+        task = _task(example)
+        split, item = pipelines[task](example, split)
+        records[task][split].append(record(fields, item))
+        lengths[task].append(num_tokens(item))
 
-        tok = Tokenizer.from_pretrained(cfg.tokenizer)
-        tok.save_pretrained(out / "tokenizer")
-    else:
-        texts = [m["content"] for r in rows["sft"] for m in r.get("messages", [])]
-        texts += [str(r.get("prompt", "")) + str(r.get("completion", "")) for r in rows["sft"]]
-        texts += ["system\nuser\nassistant\n"] * 100  # role names of the chat template
-        tok = train_tokenizer(texts, cfg.vocab_size, out / "tokenizer")
+    for src in cfg.sources:
+        stats = DropStats()
+        task = for_each_example([src], cfg.format, cfg.on_bad_row, stats,
+                                lambda source, ex: add(ex, dataclasses.asdict(ex), source.split), require_rows=False)
+        drops.update({f"{task or 'unknown'}:{reason}": n for reason, n in stats.dropped.items()})
+    for i, e in enumerate(suite):
+        for row in (e.sft_row(), e.preference_row()):
+            example = validate_row(row, detect_format(row.keys()))
+            try:
+                add(example, row)
+            except RowError as err:
+                if not (err.always_skip or cfg.on_bad_row == "skip"):
+                    raise DataError.from_row(err, "synthetic suite", i, "example") from None
+                drops[f"{_task(example)}:{err.reason}"] += 1
+    if not any(lengths.values()):
+        raise DataError(f"no usable rows (dropped: {dict(drops)})", source=", ".join(cfg.sources) or "synthetic suite")
 
     outputs: dict[str, str] = {"tokenizer": "tokenizer"}
     metrics: dict[str, float] = {}
-    for fmt, fmt_rows in rows.items():
-        seen: set[str] = set()
-        splits: dict[str, list[dict[str, Any]]] = {"train": [], "val": [], "test": []}
-        lengths = []
-        for row in fmt_rows:
-            key = row_key(row)
-            if cfg.dedup:
-                if key in seen:
-                    drops[f"{fmt}:duplicate"] += 1
-                    continue
-                seen.add(key)
-            if fmt == "sft":
-                ids, labels = tokenize_sft(tok, row)
-                n = len(ids)
-                record = {**row, "input_ids": ids, "labels": labels}
-            else:
-                record = {**row, **tokenize_preference(tok, row)}
-                n = len(record["prompt_ids"]) + max(len(record["chosen_ids"]), len(record["rejected_ids"]))
-            if n < cfg.min_tokens or n > cfg.max_tokens:
-                drops[f"{fmt}:{'too_short' if n < cfg.min_tokens else 'too_long'}"] += 1
-                continue
-            lengths.append(n)
-            splits[split_of(key, cfg.val_fraction, cfg.test_fraction)].append(record)
-        if not fmt_rows:
-            continue
+    for task, splits in records.items():
         for split, recs in splits.items():
             if not recs:
                 continue
-            rel = f"data/{fmt}_{split}.parquet"
+            key = output_key(task, split)
+            rel = f"data/{key}.parquet"
             pq.write_table(pa.Table.from_pylist(recs), out / rel)
-            outputs[f"{fmt}_{split}"] = rel
-            metrics[f"rows/{fmt}_{split}"] = len(recs)
-        if lengths:
-            lengths.sort()
-            metrics[f"tokens/{fmt}_mean"] = sum(lengths) / len(lengths)
-            metrics[f"tokens/{fmt}_max"] = lengths[-1]
-            metrics[f"tokens/{fmt}_p95"] = lengths[int(0.95 * (len(lengths) - 1))]
+            outputs[key] = rel
+            metrics[f"rows/{key}"] = len(recs)
+        if lengths[task]:
+            n = sorted(lengths[task])
+            metrics[f"tokens/{task}_mean"] = sum(n) / len(n)
+            metrics[f"tokens/{task}_max"] = n[-1]
+            metrics[f"tokens/{task}_p95"] = n[int(0.95 * (len(n) - 1))]
     metrics.update({f"dropped/{k}": v for k, v in sorted(drops.items())})
     metrics["vocab_size"] = tok.vocab_size
     return write_manifest(out, "data_prep", outputs, metrics=metrics, config=cfg.model_dump(mode="json"),

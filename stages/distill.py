@@ -131,7 +131,7 @@ def offline_objective(cfg: DistillConfig, topk: dict[str, torch.Tensor]) -> Any:
         labels = batch["labels"]
         mask = torch.zeros_like(labels, dtype=torch.bool)
         mask[..., :-1] = labels[..., 1:] != IGNORE_INDEX
-        rows = torch.cat([torch.arange(topk["offsets"][u], topk["offsets"][u + 1]) for u in batch["units"]])
+        rows = torch.cat([torch.arange(topk["offsets"][u], topk["offsets"][u + 1]) for u in batch["doc_indices"]])
         t_ids, t_lp = topk["ids"][rows].long().to(labels.device), topk["logps"][rows].to(labels.device)
         sel = mask.reshape(-1)
 
@@ -163,14 +163,12 @@ class Distill:
                              f"{student.args.vocab_size}; they must share the tokenizer")
         timed = TimedTeacher(teacher, s)
         train_docs = sft_documents(cfg.data.sources, "train", tok, cfg.data)
-        val_docs = sft_documents(cfg.data.sources, "val", tok, cfg.data)
+        val_docs = sft_documents(cfg.data.sources, "validation", tok, cfg.data)
         base = doc_loader(train_docs, cfg.data, d, epochs=cfg.epochs)
         online = distill_objective(timed, cfg.kind, cfg.temperature, cfg.jsd_beta, cfg.ce_weight)
         teacher_id = (teacher_manifest or {}).get("digest", cfg.teacher.name_or_path)
         if cfg.mode == "offline":  # before training: not part of the step time
             topk = teacher_topk(teacher, train_docs, cfg.top_k, s.out / "teacher_cache", teacher_id, d)
-            collate = base.collate
-            base.collate = lambda units: {**collate(units), "units": units}
             objective, train = offline_objective(cfg, topk), DeviceLoader(base, d.device)
         elif cfg.mode == "on_policy":
             objective, train = online, OnPolicyMix(DeviceLoader(base, d.device), s)

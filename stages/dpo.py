@@ -51,13 +51,13 @@ def on_policy_pairs(model, tok, rows: list[dict[str, Any]], cfg: DPOConfig, d: D
             best, worst = scored[0], scored[-1]
             if verify(r["answer"], tok.decode(best.tokens, skip_special_tokens=True)) == 0:
                 # no sample solved it: the known answer is the chosen side (as in rejection sampling)
-                best_ids = r["chosen_ids"]
+                best_ids, best_labels = r["chosen_ids"], r["chosen_labels"]
             else:
-                best_ids = best.tokens
+                best_ids, best_labels = best.tokens, best.tokens
             worst_ok = verify(r["answer"], tok.decode(worst.tokens, skip_special_tokens=True))
             if worst_ok or not worst.tokens or best_ids == worst.tokens:
                 continue
-            pairs.append(PreferencePair(r["prompt_ids"], best_ids, best_ids, worst.tokens, worst.tokens))
+            pairs.append(PreferencePair(r["prompt_ids"], best_ids, best_labels, worst.tokens, worst.tokens))
     model.train()
     return pairs
 
@@ -144,8 +144,8 @@ class DPO:
         if cfg.pairs == "on_policy" and cfg.parallel.tp > 1:
             raise StageError(f"dpo: pairs='on_policy' samples with a KV cache, which tensor parallelism does not "
                              f"support yet; set parallel.tp=1 (parallel.tp={cfg.parallel.tp}) or pairs='offline'")
-        train_data = preference_pairs(cfg.data.sources, "train")
-        val_pairs = [p for p, _ in preference_pairs(cfg.data.sources, "val")]
+        train_data = preference_pairs(cfg.data.sources, "train", tok, cfg.data)
+        val_pairs = [p for p, _ in preference_pairs(cfg.data.sources, "validation", tok, cfg.data)]
         if cfg.pairs == "on_policy":
             t0 = time.time()
             budget = (cfg.max_steps or len(train_data)) * cfg.data.micro_batch_size * cfg.optim.grad_accum_steps

@@ -16,21 +16,20 @@ from typing import Any
 import torch
 
 from core.config import EvalConfig, ModelConfig
+from core.data import read_rows
 from core.manifest import digest, write_manifest
 from core.model.generate import SamplingParams, generate
 from core.objectives import sft_objective
 from core.tasks import verify
-from stages.common import (Dist, StageError, close_distributed, data_files, dump_json, load_model, load_tokenizer,
+from stages.common import (Dist, StageError, close_distributed, dump_json, load_model, load_tokenizer,
                            parse_spec, progress, stage_run, start_distributed)
-from stages.training import DeviceLoader, doc_loader, mean_loss, read_parquet, sft_documents
+from stages.training import DeviceLoader, doc_loader, mean_loss, sft_documents
 
 log = logging.getLogger("posttrain.evaluate")
 
 
 def eval_rows(cfg: EvalConfig) -> list[dict[str, Any]]:
-    rows = []
-    for src in cfg.data.sources:
-        rows.extend(read_parquet(data_files(src, "sft", cfg.split)))
+    rows = read_rows(cfg.data.sources, "sft", cfg.split)
     return rows[: cfg.max_examples] if cfg.max_examples else rows
 
 

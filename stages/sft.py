@@ -20,7 +20,7 @@ class SFT:
     def setup(self, s: Session) -> Plan:
         cfg, d = s.cfg, s.dist
         train_docs = sft_documents(cfg.data.sources, "train", s.tok, cfg.data)
-        val_docs = sft_documents(cfg.data.sources, "val", s.tok, cfg.data)
+        val_docs = sft_documents(cfg.data.sources, "validation", s.tok, cfg.data)
 
         def validate() -> dict[str, float]:
             if not val_docs:

@@ -20,100 +20,57 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from core.config import DataConfig, ParallelConfig, TrainStageConfig
+from core.data import build_loader, load_documents, load_pairs
 from core.data.encode import Document, PreferencePair
-from core.data.packing import collate_padding_free, collate_preference
-from core.data.sampler import BatchSampler, StatefulLoader
+from core.data.sampler import StatefulLoader
 from core.lora import apply_lora, merged_state_dict
-from core.manifest import is_stage_dir
 from core.model import Transformer
 from core.parallel import full_state_dict
-from stages.common import Dist, data_files
+from stages.common import Dist
 
 log = logging.getLogger("posttrain.training")
 
 
-def read_parquet(files: list[Path]) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
-
-    rows: list[dict[str, Any]] = []
-    for f in files:
-        rows.extend(pq.read_table(f).to_pylist())
-    return rows
-
-
-SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}
-
-
 def sft_documents(sources: list[str], split: str, tok, cfg) -> list[Document]:
-    """Tokenized SFT documents of `split`: data prep's pre-tokenized Parquet for a data-prep
+    """Tokenized SFT documents of `split`: data prep's Parquet (stored labels) for a data-prep
     stage dir; raw user sources are validated, tokenized and split here by content hash."""
-    docs: list[Document] = []
-    for src in sources:
-        if is_stage_dir(src):
-            rows = read_parquet(data_files(src, "sft", split))
-            docs.extend(Document(r["input_ids"][: cfg.max_seq_len], r["labels"][: cfg.max_seq_len]) for r in rows)
-        else:
-            from core.data import load_data
-
-            data_files(src, "sft", split)  # a clear error for a missing path
-            docs.extend(load_data(cfg.model_copy(update={"sources": [src]}), tok)[SPLIT_NAMES[split]])
-    return docs
+    return load_documents(sources, split, tok, cfg)
 
 
-def preference_pairs(sources: list[str], split: str) -> list[tuple[PreferencePair, dict]]:
-    out = []
-    for src in sources:
-        for r in read_parquet(data_files(src, "preference", split)):
-            out.append((PreferencePair(r["prompt_ids"], r["chosen_ids"], r["chosen_ids"],
-                                       r["rejected_ids"], r["rejected_ids"]), r))
-    return out
+def preference_pairs(sources: list[str], split: str, tok=None, cfg=None) -> list[tuple[PreferencePair, dict]]:
+    """(pair, row) of `split`, with data prep's stored labels; raw sources need tok and cfg."""
+    return load_pairs(sources, split, tok, cfg)
 
 
 def data_shard(d: Dist) -> tuple[int, int]:
     return d.data_shard
 
 
-class LockstepLoader(StatefulLoader):
-    """An evaluation loader that yields as many batches on every rank, ceil(global batches /
-    ranks): under a mesh each forward communicates, so a rank short of the ragged tail repeats
-    the first batch, marked `padding` (run, not counted)."""
-
-    def __iter__(self):
-        short = len(self) - len(self.sampler)
-        yield from super().__iter__()
-        for _ in range(short):
-            yield {**self.collate(self.sampler.global_batches(0)[0]), "padding": True}
-
-    def __len__(self) -> int:
-        return -(-len(self.sampler.global_batches(0)) // self.sampler.world_size)
-
-
 def doc_loader(docs: list[Document], data: DataConfig, d: Dist, epochs: int | None,
                evaluation: bool = False) -> StatefulLoader:
-    """Padding-free micro-batches of up to batch_tokens. Training keeps ranks in lockstep
-    (drop_last); evaluation must see every document once, so it keeps the ragged tail."""
+    """core.data.build_loader over documents: data.packing, micro_batch_size / batch_tokens.
+    Training keeps ranks in lockstep (drop_last); evaluation sees every document once, and under a
+    mesh every rank runs as many forwards (a short rank's filler batch is marked `padding`)."""
     rank, world = data_shard(d)
-    sampler = BatchSampler([len(x) for x in docs], batch_tokens=data.batch_tokens or data.max_seq_len,
-                           rank=rank, world_size=world, seed=data.seed, num_epochs=epochs,
-                           shuffle=not evaluation, drop_last=not evaluation)
     lockstep = evaluation and d.mesh is not None
-    return (LockstepLoader if lockstep else StatefulLoader)(
-        sampler, lambda units: collate_padding_free([docs[i] for i in units]))
+    return build_loader(docs, data, rank=rank, world_size=world, num_epochs=epochs, evaluation=evaluation,
+                        lockstep=lockstep)
 
 
 def pair_loader(pairs: list[PreferencePair], cfg: TrainStageConfig, d: Dist, epochs: int | None,
                 extra: Callable[[list[int], dict], None] | None = None) -> StatefulLoader:
     rank, world = data_shard(d)
-    sampler = BatchSampler([len(p.chosen) + len(p.rejected) for p in pairs], micro_batch_size=cfg.data.micro_batch_size,
-                           rank=rank, world_size=world, seed=cfg.data.seed, num_epochs=epochs)
+    loader = build_loader(pairs, cfg.data, rank=rank, world_size=world, num_epochs=epochs)
+    if extra is not None:
+        collate = loader.collate
 
-    def collate(units: list[int]) -> dict:
-        batch = collate_preference([pairs[i] for i in units])
-        if extra is not None:
-            extra(units, batch)
-        return batch
+        def collate_extra(indices: list[int]) -> dict:
+            batch = collate(indices)
+            extra(indices, batch)
+            return batch
 
-    return StatefulLoader(sampler, collate)
+        loader.collate = collate_extra
+    return loader
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -170,7 +127,7 @@ def mean_loss(model, loader, objective, d: Dist) -> float:
     total = n = 0.0
     for batch in loader:
         out = objective(model, batch)
-        if not batch.get("padding"):  # LockstepLoader's filler
+        if not batch.get("padding"):  # a lockstep evaluation loader's filler
             total += float(out.loss_sum)
             n += float(out.num_tokens)
     model.train(was)

@@ -491,6 +491,8 @@ def test_load_rows_and_load_documents(tmp_path, tok):
     assert task == "preference" and dict(drops) == {"invalid_json": 1}
     assert got == [{"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": "a"}],
                     "rejected": [{"role": "assistant", "content": "b"}]}]
-    docs = load_documents([str(write_jsonl(tmp_path / "s.jsonl", sft_rows(30)))], tok,
-                          data_config([], val_fraction=0.5))
-    assert len(docs) == 30 and all(isinstance(d, Document) for d in docs)  # no held-out split here
+    # load_documents (the stages' reader, raw sources or data prep's output) gives one split each
+    source, cfg = [str(write_jsonl(tmp_path / "s.jsonl", sft_rows(30)))], data_config([], val_fraction=0.5)
+    docs = {s: load_documents(source, s, tok, cfg) for s in ("train", "validation", "test")}
+    assert sum(map(len, docs.values())) == 30 and all(isinstance(d, Document) for v in docs.values() for d in v)
+    assert docs["train"] and docs["validation"] and not docs["test"]

@@ -1,10 +1,10 @@
-"""From DataConfig to tokenized splits and loaders: the one entry point stages call.
+"""From sources to tokenized splits: normalize -> validate -> dedup -> encode -> split.
 
 `load_data` reads every source once, validates and tokenizes every row before training starts (so
 a bad row stops the job at load time, never mid-run), routes rows to train/validation/test by a
 hash of their content (or by the split a saved DatasetDict names), and returns the tokenized
-splits with the DropStats of what was skipped. `build_loader` packs a split and returns a
-resumable, rank-sharded iterator of model-ready batches.
+splits with the DropStats of what was skipped. Data prep runs the same `ExamplePipeline` and writes
+its result to Parquet (core.data.prepared reads it back); core.data.loader batches either.
 """
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core.data.encode import Document, Encoder, PreferencePair
+from core.data.encode import Document, Encoder, PreferencePair, num_tokens
 from core.data.errors import DataError, DropStats, RowError, describe
 from core.data.formats import FORMATS, Example, detect_format, task_of, validate_row
-from core.data.packing import collate_padded, collate_padding_free, collate_preference, pack
-from core.data.sampler import BatchSampler, StatefulLoader
-from core.data.sources import SPLITS, RawRow, Source, open_sources
-from core.data.split import assign_split, content_hash, split_key
+from core.data.sources import RawRow, Source, open_sources
+from core.data.split import SPLITS, assign_split, content_hash, split_key
 
 if TYPE_CHECKING:
     from core.config import DataConfig
@@ -44,42 +42,59 @@ class PreparedData:
         return self.splits[split]
 
 
-def load_data(cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
-    """Read, validate and tokenize cfg.sources. Raises DataError for the first bad row (or any
-    source problem) when cfg.on_bad_row == "error"; otherwise counts bad rows in `stats`."""
+class ExamplePipeline:
+    """What happens to every validated example, in `load_data` and in data prep alike: dedup by
+    content hash (dedup=True), tokenize with the Encoder (chat template, label masks, truncation),
+    drop examples under `min_tokens`, and route to a split: the one the source names (a saved
+    DatasetDict's), else by a hash of the prompt side (core.data.split). Raises RowError."""
+
+    def __init__(self, encoder: Encoder, val_fraction: float, test_fraction: float = 0.0, *, dedup: bool = False,
+                 min_tokens: int = 1):
+        assign_split("", val_fraction, test_fraction)  # bad fractions fail here, not at the first row
+        self.encoder, self.val_fraction, self.test_fraction = encoder, val_fraction, test_fraction
+        self.dedup, self.min_tokens = dedup, min_tokens
+        self.seen: set[str] = set()
+
+    def __call__(self, example: Example, split: str | None = None) -> tuple[str, Document | PreferencePair]:
+        try:
+            digest = content_hash(example)
+            split = split or assign_split(split_key(example), self.val_fraction, self.test_fraction)
+        except RecursionError:  # a field nested deeper than json.loads minded (extra message keys)
+            raise RowError("wrong_type", None, "a field is nested too deeply") from None
+        if self.dedup:
+            if digest in self.seen:
+                raise RowError("duplicate", None, "duplicate of an earlier row (dedup=true)", always_skip=True)
+            self.seen.add(digest)
+        item = self.encoder(example)
+        n = num_tokens(item)
+        if n < self.min_tokens:
+            raise RowError("too_short", None, f"{n} tokens < min_tokens={self.min_tokens}", always_skip=True)
+        return split, item
+
+
+def make_encoder(cfg: DataConfig, tokenizer: Tokenizer) -> Encoder:
+    """The Encoder for a DataConfig: its max_seq_len, truncation, mask_prompt and chat_template."""
     template = cfg.chat_template
     # A name (e.g. "tool_use"), a Jinja file, or the template text itself (it has "{" and may be too
     # long a string to stat).
     if template is not None and "{" not in template and Path(template).is_file():
         template = Path(template).read_text(encoding="utf-8")
-    encoder = Encoder(tokenizer, cfg.max_seq_len, cfg.truncation, cfg.mask_prompt, template)
+    return Encoder(tokenizer, cfg.max_seq_len, cfg.truncation, cfg.mask_prompt, template)
+
+
+def load_data(cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
+    """Read, validate and tokenize cfg.sources. Raises DataError for the first bad row (or any
+    source problem) when cfg.on_bad_row == "error"; otherwise counts bad rows in `stats`."""
+    pipeline = ExamplePipeline(make_encoder(cfg, tokenizer), cfg.val_fraction, cfg.test_fraction, dedup=cfg.dedup)
     splits: dict[str, list] = {s: [] for s in SPLITS}
-    seen: set[str] = set()
 
     def add(source: Source, example: Example) -> None:
-        try:
-            digest = content_hash(example)
-            key = split_key(example)
-            split = source.split or assign_split(key, cfg.val_fraction, cfg.test_fraction)
-        except RecursionError:  # a field nested deeper than json.loads minded (extra message keys)
-            raise RowError("wrong_type", None, "a field is nested too deeply") from None
-        if cfg.dedup:
-            if digest in seen:
-                raise RowError("duplicate", None, "duplicate of an earlier row (dedup=true)", always_skip=True)
-            seen.add(digest)
-        splits[split].append(encoder(example))
+        split, item = pipeline(example, source.split)
+        splits[split].append(item)
 
     stats = DropStats()
     task = for_each_example(list(cfg.sources), cfg.format, cfg.on_bad_row, stats, add)
-    return PreparedData(task, splits, stats, _pad_id(tokenizer))
-
-
-def load_documents(paths: list[str], tokenizer: Tokenizer, cfg: DataConfig) -> list[Document | PreferencePair]:
-    """Every row of `paths` tokenized (Documents, or PreferencePairs), with no held-out split: for
-    sources that are one split already."""
-    data = load_data(cfg.model_copy(update={"sources": list(paths), "val_fraction": 0.0, "test_fraction": 0.0}),
-                     tokenizer)
-    return data["train"] + data["validation"] + data["test"]  # a DatasetDict's splits, in order
+    return PreparedData(task, splits, stats, pad_id_of(tokenizer))
 
 
 def load_rows(paths: str | list[str], format: str = "auto", on_bad_row: str = "error"
@@ -95,11 +110,12 @@ def load_rows(paths: str | list[str], format: str = "auto", on_bad_row: str = "e
 
 
 def for_each_example(paths: list[str], want: str, on_bad_row: str, stats: DropStats,
-                     handle: Callable[[Source, Example], None]) -> str:
+                     handle: Callable[[Source, Example], None], *, require_rows: bool = True) -> str | None:
     """Validate every row of every source and pass the clean example to `handle` (which may raise
     RowError too, e.g. while tokenizing). A RowError becomes a DataError naming file, row and
     field, raised or (on_bad_row="skip", or a row the config drops) counted in `stats`. Returns the
-    task; raises DataError when sources mix tasks or no row survives."""
+    task; raises DataError when sources mix tasks or (require_rows) no row survives; without
+    require_rows the task is None when no row revealed one."""
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
     task = first = None
@@ -119,12 +135,12 @@ def for_each_example(paths: list[str], want: str, on_bad_row: str, stats: DropSt
                 stats.drop(err)
                 continue
             stats.kept += 1
-    if task is None or stats.kept == 0:
+    if require_rows and (task is None or stats.kept == 0):
         raise DataError(f"no usable rows in {', '.join(map(str, paths))} ({stats})")
     return task
 
 
-def _pad_id(tokenizer: Tokenizer) -> int:
+def pad_id_of(tokenizer: Tokenizer) -> int:
     pad = tokenizer.pad_id
     return 0 if pad is None else pad  # padding is masked out everywhere; any id serves
 
@@ -165,37 +181,3 @@ def _validate(raw: RawRow, fmt: str | None) -> Example:
         fields = sorted(map(str, raw.value))[:8]
         raise RowError("unknown_format", None, f"cannot tell the format from fields {fields}; expected {_EXPECTED}")
     return validate_row(raw.value, fmt)
-
-
-# ------------------------------------------------------------------------------------------- loader
-
-
-def build_loader(data: PreparedData, cfg: DataConfig, split: str = "train", *, rank: int = 0, world_size: int = 1,
-                 padding_free: bool = True, pack_strategy: str = "ffd", shuffle: bool | None = None,
-                 drop_last: bool = True, num_epochs: int | None = 1) -> StatefulLoader:
-    """A resumable loader over one split. SFT documents are packed into rows of max_seq_len tokens
-    (cfg.packing) or kept one per row; preference pairs are never packed together across pairs
-    (each batch holds whole pairs). padding_free=True collates a micro-batch into one (1, T) row;
-    False gives (B, L) padded rows with attention_mask. shuffle defaults to split == "train"."""
-    items = data[split]
-    if not items:
-        raise DataError(f"split {split!r} has no rows ({data.stats})")
-    budget = {"batch_tokens": cfg.batch_tokens} if cfg.batch_tokens else {"micro_batch_size": cfg.micro_batch_size}
-    shuffle = split == "train" if shuffle is None else shuffle
-    common = dict(rank=rank, world_size=world_size, seed=cfg.seed, shuffle=shuffle,
-                  drop_last=drop_last, num_epochs=num_epochs, padded=not padding_free, **budget)
-    if data.task == "preference":
-        sampler = BatchSampler([len(p) for p in items], **common)
-        return StatefulLoader(sampler, lambda units: collate_preference([items[u] for u in units], padding_free,
-                                                                        data.pad_id))
-    lengths = [len(d) for d in items]
-    rows = pack(lengths, cfg.max_seq_len, pack_strategy) if cfg.packing else [[i] for i in range(len(items))]
-    sampler = BatchSampler([sum(lengths[i] for i in row) for row in rows], **common)
-
-    def collate(units: list[int]) -> dict:
-        if padding_free:
-            return collate_padding_free([items[i] for u in units for i in rows[u]])
-        return collate_padded([[items[i] for i in rows[u]] for u in units], data.pad_id)
-
-    return StatefulLoader(sampler, collate)
-

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from core.data.errors import DataError, RowError
-from core.data.formats import Conversation, Example, Preference
+from core.data.formats import Conversation, Example, Preference, common_prefix
 from core.losses import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -64,6 +64,17 @@ class PreferencePair:
     def __len__(self) -> int:
         """Tokens of both sequences: what the pair costs in a batch."""
         return 2 * len(self.prompt_ids) + len(self.chosen_ids) + len(self.rejected_ids)
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longer sequence (prompt + the longer completion): what max_seq_len bounds."""
+        return len(self.prompt_ids) + max(len(self.chosen_ids), len(self.rejected_ids))
+
+
+def num_tokens(item: Document | PreferencePair) -> int:
+    """An example's length as max_seq_len, min_tokens and token statistics count it: a document's
+    tokens, or a pair's longer sequence."""
+    return item.longest if isinstance(item, PreferencePair) else len(item)
 
 
 def _has_target(labels: list[int]) -> bool:
@@ -123,7 +134,7 @@ class Encoder:
                 raise RowError("no_target_tokens", name, "the chat template renders no completion tokens")
         # The prompt is what both sequences share before either completion starts; taking it from
         # the ids (not by encoding the prompt alone) is exact even when BPE merges across the boundary.
-        p = min(_common_prefix(ids_c, ids_r), mask_c.index(True), mask_r.index(True))
+        p = min(common_prefix(ids_c, ids_r), mask_c.index(True), mask_r.index(True))
         prompt = ids_c[:p]
         comp = {
             "chosen": (ids_c[p:], [t if m else IGNORE_INDEX for t, m in zip(ids_c[p:], mask_c[p:])]),
@@ -180,13 +191,4 @@ def _last_run_start(mask: list[bool]) -> int:
         k -= 1
     while k > 0 and mask[k - 1]:
         k -= 1
-    return k
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    k = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        k += 1
     return k

@@ -26,6 +26,7 @@ REASONS = (
     "template_error",      # the chat template raised on this row
     "no_target_tokens",    # tokenized, but no token is trained on
     "too_long",            # over max_seq_len and the truncation policy cannot fix it (or is "drop")
+    "too_short",           # fewer tokens than data prep's min_tokens
     "duplicate",           # exact duplicate of an earlier row (dedup=True)
 )
 

@@ -207,7 +207,7 @@ def _split_implicit(chosen: Any, rejected: Any) -> Preference:
         if not isinstance(rejected, str):
             raise RowError("wrong_type", "rejected", f"expected a string like chosen, got {describe(rejected)}")
         _text(rejected, "rejected")
-        k = _common_prefix(chosen, rejected)
+        k = common_prefix(chosen, rejected)
         if k == min(len(chosen), len(rejected)):
             raise RowError("identical_pair", "rejected", "chosen and rejected do not diverge (one is a prefix of "
                                                          "the other), so there is no completion to compare")
@@ -221,7 +221,7 @@ def _split_implicit(chosen: Any, rejected: Any) -> Preference:
     for name, msgs in full.items():
         _ends_with_assistant(msgs, name)
     c, r = full["chosen"], full["rejected"]
-    k = _common_prefix(c, r)
+    k = common_prefix(c, r)
     if k == 0:
         raise RowError("missing_field", "prompt", "no prompt field, and chosen and rejected share no first turn "
                                                   "to take as the prompt")
@@ -234,7 +234,8 @@ def _split_implicit(chosen: Any, rejected: Any) -> Preference:
     return Preference(c[:k], c[k:], r[k:])
 
 
-def _common_prefix(a: Any, b: Any) -> int:
+def common_prefix(a: Any, b: Any) -> int:
+    """Length of the longest common prefix of two sequences (strings, message lists, token ids)."""
     k = 0
     for x, y in zip(a, b):
         if x != y:

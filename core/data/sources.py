@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from core.data.errors import DataError, RowError, show
+from core.data.split import SPLITS
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
-SPLITS = ("train", "validation", "test")
 _BATCH = 1024
 
 

@@ -4,6 +4,9 @@ A row's split depends on nothing but its own content, so adding rows never moves
 between splits (a shuffled index split would), and a row that appears twice, in two files or with
 different whitespace, lands in the same split twice instead of leaking from train into validation.
 The content hashed is the row's prompt side (`split_key`), for the same reason one level up.
+
+Split names are "train", "validation" and "test" everywhere: data prep's Parquet files and
+manifest outputs (`sft_validation`), saved DatasetDicts, the readers and the stages.
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ import unicodedata
 from typing import Any
 
 SPLITS = ("train", "validation", "test")
+def canonical_split(split: str) -> str:
+    """`split` if it is one of SPLITS, else a ValueError naming them."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+    return split
 
 
 def _normalize(value: Any) -> Any:
