@@ -80,9 +80,11 @@ class TrainingStage(Protocol):
 
 def run_training(stage: TrainingStage, cfg: TrainStageConfig) -> dict:
     """setup -> train -> finish; returns the manifest (rank 0) or {}."""
-    session = open_session(stage.name, cfg)
-    try:
-        with stage_run(cfg, stage.name, session.dist.is_main) as run_:
+    from core.parallel.mesh import TorchrunEnv
+
+    try:  # the run opens first, so a stage that fails loading its model is a FAILED run too
+        with stage_run(cfg, stage.name, TorchrunEnv.read().rank == 0) as run_:
+            session = open_session(stage.name, cfg)
             session.run = run_
             plan = stage.setup(session)
             last, before, seconds = train(session, plan)
