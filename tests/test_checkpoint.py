@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 import core.checkpoint as ckpt
-import core.checkpoint.layout as ckpt_layout
 import core.checkpoint.state as ckpt_state
 import core.checkpoint.writer as ckpt_writer
 from core.checkpoint import CheckpointError, CheckpointManager
+from core.manifest import file_sha256
 from core.model import build_model, get_preset
 
 VOCAB = get_preset("debug").vocab_size
@@ -364,7 +364,7 @@ def test_no_pickle_anywhere(tmp_path):
     (step_dir / ".metadata").write_bytes(pickle.dumps(Evil()))
     manifest = json.loads((step_dir / "manifest.json").read_text())
     manifest["files"][".metadata"] = {"size": (step_dir / ".metadata").stat().st_size,
-                                      "sha256": ckpt_layout.sha256(step_dir / ".metadata")}
+                                      "sha256": file_sha256(step_dir / ".metadata")}
     (step_dir / "manifest.json").write_text(json.dumps(manifest))
     assert mgr.load_latest(model, opt) is None
     assert "posix.system is not allowed" in mgr.last_report.skipped[0][1] or \

@@ -21,7 +21,7 @@ world size. The checkpoint dir must be visible to all ranks (a shared filesystem
 
 Modules: manager (CheckpointManager: when to save, what to keep, verified loads), writer (the
 save: snapshot, write, commit; sync or on a background thread), state (JSON codec, RNG, state
-dicts), layout (names on disk, hashes, the allowlisted metadata unpickler).
+dicts), layout (names on disk, the inventory, the allowlisted metadata unpickler).
 """
 
 import warnings

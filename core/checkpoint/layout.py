@@ -1,9 +1,8 @@
-"""A checkpoint directory on disk: its names, the inventory of a checkpoint dir, file hashes, and
-DCP's `.metadata` read through an allowlist so that loading a checkpoint cannot run code."""
+"""A checkpoint directory on disk: its names, the inventory of a checkpoint dir, and DCP's
+`.metadata` read through an allowlist so that loading a checkpoint cannot run code."""
 
 from __future__ import annotations
 
-import hashlib
 import pickle
 import re
 from dataclasses import dataclass, field
@@ -62,14 +61,6 @@ def read_latest(dir: Path) -> int | None:
     except OSError:
         return None
     return int(m.group(1)) if m else None
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 _TORCH_CONSTANTS = (torch.dtype, torch.memory_format, torch.layout)

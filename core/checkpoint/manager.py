@@ -20,13 +20,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from core.checkpoint.layout import (
     COMMON, ERRORS, MANIFEST, CheckpointError, LoadReport, SafeReader, final_steps, read_latest, read_metadata,
-    sha256, step_dir_name, why,
+    step_dir_name, why,
 )
 from core.checkpoint.state import (
     Stateful, config_hash, decode, model_state_dict, optim_options, set_rng_state, split_tensors,
 )
 from core.checkpoint.writer import CheckpointWriter, collect
 from core.distenv import all_gather_object, dist_on, rank_world
+from core.manifest import file_sha256
 
 logger = logging.getLogger("core.checkpoint")
 
@@ -196,7 +197,7 @@ class CheckpointManager:
                     problems.append(f"{name} missing")
                 elif f.stat().st_size != files[name]["size"]:
                     problems.append(f"{name} is {f.stat().st_size} bytes, manifest says {files[name]['size']}")
-                elif sha256(f) != files[name]["sha256"]:
+                elif file_sha256(f) != files[name]["sha256"]:
                     problems.append(f"{name} sha256 mismatch")
             if rank == 0 and not problems:
                 md = read_metadata(path)

@@ -23,10 +23,11 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from core.atomic import fsync_dir, write_json_atomic, write_text_atomic
 from core.checkpoint.layout import (
-    COMMON, ERRORS, FORMAT, LATEST, MANIFEST, TMP_PREFIX, CheckpointError, final_steps, sha256, step_dir_name, why,
+    COMMON, ERRORS, FORMAT, LATEST, MANIFEST, TMP_PREFIX, CheckpointError, final_steps, step_dir_name, why,
 )
 from core.checkpoint.state import Stateful, encode, model_state_dict, optim_options, rng_state, split_tensors
 from core.distenv import all_gather_object, broadcast_object, dist_on, rank_world
+from core.manifest import file_sha256
 
 logger = logging.getLogger("core.checkpoint")
 
@@ -122,7 +123,7 @@ class CheckpointWriter:
             # Every rank sees the global metadata, so shard hashing is split evenly, in parallel.
             shards = sorted({s.relative_path for s in md.storage_data.values()})
             for name in own + shards[rank::world]:
-                files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256(tmp / name)}
+                files[name] = {"size": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
         except ERRORS as e:
             local_error = e
         results = all_gather_object((f"rank {rank}: {why(local_error)}" if local_error else None, files), self._pg)
