@@ -10,10 +10,10 @@ exits with status 2, before any work, when either is missing).
 Model: Llama-shaped (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408, vocab 8192),
 fp32 on CPU, random weights built with core.model, exported with registry.hf.save_pretrained to a
 temporary directory. LoRA rank 16, alpha 32, every linear layer but the output head, with the
-SAME initial A/B on both sides (ours exported with registry.hf.save_adapter, loaded into peft's
+SAME initial A/B on both sides (ours exported with registry.adapters.save_adapter, loaded into peft's
 get_peft_model with set_peft_model_state_dict). AdamW lr 1e-4 (torch's defaults otherwise) on both.
 
-  ours      registry.hf.load_pretrained + registry.hf.load_adapter; each step's documents are
+  ours      registry.hf.load_pretrained + registry.adapters.load_adapter; each step's documents are
             packed (first-fit decreasing) into micro-batches of at most `token_budget` tokens,
             collate_padding_free, Trainer.forward_backward(sft_objective) per micro-batch, then
             Trainer.optim_step (loss normalized once by the step's target tokens).
@@ -165,7 +165,8 @@ def export(cfg: dict[str, Any], model_dir: str, adapter_dir: str) -> dict[str, A
     from core.lora import apply_lora, count_trainable
     from core.model.args import ModelArgs
     from core.model.model import build_model
-    from registry.hf import save_adapter, save_pretrained
+    from registry.adapters import save_adapter
+    from registry.hf import save_pretrained
 
     torch.manual_seed(SEED)
     args = ModelArgs(**cfg["model"])
@@ -214,7 +215,8 @@ def _ours(cfg, model_dir, adapter_dir):
     from core.data.packing import collate_padding_free, pack
     from core.objectives import sft_objective
     from core.trainer import Trainer
-    from registry.hf import load_adapter, load_pretrained
+    from registry.adapters import load_adapter
+    from registry.hf import load_pretrained
 
     model = load_pretrained(model_dir)
     load_adapter(model, adapter_dir)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from core.atomic import write_json_atomic
 
 MANIFEST = "manifest.json"
 
@@ -46,16 +47,6 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_manifest(
     out_dir: str | Path,
     stage: str,
@@ -86,7 +77,7 @@ def write_manifest(
         "metrics": metrics or {},
         **(extra or {}),
     }
-    atomic_write_json(out_dir / MANIFEST, manifest)
+    write_json_atomic(out_dir / MANIFEST, manifest, default=str)
     return manifest
 
 

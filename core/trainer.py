@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from core.model.generate import Generation, SamplingParams, generate
 from core.parallel.grad_norm import clip_grad_norm_ as clip_across_meshes
 from core.reliability import all_reduce
 
@@ -213,12 +212,6 @@ class Trainer:
                 frac = load / load.sum()
                 metrics[f"moe/layer{i}_max_load"] = float(frac.max() * len(frac))
             m.update_bias()
-
-    @torch.no_grad()
-    def sample(self, prompts: list[list[int]], params: SamplingParams, pad_id: int = 0) -> list[Generation]:
-        """KV-cache sampling from the current weights (eval mode, then back)."""
-        with self._autocast():
-            return generate(self.model, prompts, params, pad_id)
 
     # -- state -------------------------------------------------------------------------------
 

@@ -14,8 +14,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from core.atomic import replace_dir
 from core.lora import adapter_config, adapter_state_dict, apply_lora, load_adapter_state_dict
-from registry.hf import ADAPTERS, CheckpointError, _replace_dir
+from registry.hf import ADAPTERS, CheckpointError
 
 _PREFIX = "base_model.model."
 # our suffix -> PEFT's suffix (the adapter name is not stored in PEFT's files)
@@ -55,7 +56,7 @@ def save_adapter(model, path: str | Path, name: str = "default", base_model: str
     tmp.mkdir(exist_ok=True)
     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     (tmp / "adapter_config.json").write_text(json.dumps(peft_cfg, indent=2))
-    _replace_dir(tmp, path)
+    replace_dir(tmp, path)
     return path
 
 

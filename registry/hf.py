@@ -8,7 +8,6 @@ tensor names to ours, plus the stacking of per-expert tensors into our (E, ...) 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -21,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from core.atomic import replace_dir
 from core.model.args import ModelArgs, MoEArgs
 from core.model.model import Transformer
 from core.model.rope import SUPPORTED_ROPE_TYPES
@@ -400,7 +400,7 @@ def save_pretrained(
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(hf_config_from_args(model.args, dtype), indent=2))
-        _replace_dir(tmp, path)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -420,34 +420,9 @@ def _shard(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, tor
     return shards
 
 
-def _replace_dir(tmp: Path, path: Path) -> None:
-    """Move `tmp` to `path`; an existing `path` is swapped out first and removed only after."""
-    old = None
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
     """Copy the tokenizer and generation files of an HF directory next to exported weights."""
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "chat_template.jinja", "chat_template.json", "generation_config.json"):
         if (Path(src) / name).exists():
             shutil.copy2(Path(src) / name, Path(dst) / name)
-
-
-def save_adapter(model, path, name: str = "default", base_model: str | None = None) -> Path:
-    """Write a LoRA adapter in PEFT's format (implemented in registry/adapters.py)."""
-    from registry.adapters import save_adapter as save
-
-    return save(model, path, name, base_model)
-
-
-def load_adapter(model, path, name: str = "default") -> list[str]:
-    """Add a PEFT-format LoRA adapter to `model` (implemented in registry/adapters.py)."""
-    from registry.adapters import load_adapter as load
-
-    return load(model, path, name)

@@ -138,7 +138,8 @@ def mean_loss(model, loader, objective, d: Dist) -> float:
 def export(model, tok, cfg: TrainStageConfig, out: Path, d: Dist) -> dict[str, str]:
     """Write the stage's model outputs on rank 0: HF weights (LoRA merged) + tokenizer, and the
     PEFT adapter when LoRA was trained. Returns manifest outputs. Collective."""
-    from registry.hf import save_adapter, save_pretrained
+    from registry.adapters import save_adapter
+    from registry.hf import save_pretrained
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
         model = gathered_copy(model, cfg)  # sharded (FSDP) or split (TP): None off rank 0

@@ -17,7 +17,10 @@ import torch
 import torch.nn.functional as F
 
 import core.checkpoint as ckpt
-from core.checkpoint import CheckpointError, CheckpointManager, export_full_state_dict
+import core.checkpoint.state as ckpt_state
+import core.checkpoint.writer as ckpt_writer
+from core.checkpoint import CheckpointError, CheckpointManager
+from core.manifest import file_sha256
 from core.model import build_model, get_preset
 
 VOCAB = get_preset("debug").vocab_size
@@ -123,7 +126,7 @@ def test_layout_and_manifest(tmp_path):
     assert mgr.list_complete() == [5] and mgr.latest_step() == 5
 
 
-class _FullDiskWriter(ckpt.FileSystemWriter):
+class _FullDiskWriter(ckpt_writer.FileSystemWriter):
     """Writes the shards, then fails before DCP's metadata lands: a save dying midway."""
 
     def finish(self, metadata, results):
@@ -142,15 +145,15 @@ def test_failed_save_leaves_previous_intact(tmp_path, monkeypatch, caplog, where
             p.add_(1.0)
 
     if where == "shards":
-        monkeypatch.setattr(ckpt, "FileSystemWriter", _FullDiskWriter)
+        monkeypatch.setattr(ckpt_writer, "FileSystemWriter", _FullDiskWriter)
     else:
-        real_write_json = ckpt._write_json
+        real_write_json = ckpt_writer._write_json
 
         def failing(path, obj):
             if Path(path).name == "manifest.json":
                 raise OSError(28, "No space left on device")
             real_write_json(path, obj)
-        monkeypatch.setattr(ckpt, "_write_json", failing)
+        monkeypatch.setattr(ckpt_writer, "_write_json", failing)
 
     if mode == "fail":
         with pytest.raises(CheckpointError, match="No space left on device"):
@@ -256,7 +259,7 @@ def test_latest_is_the_commit_point(tmp_path):
     assert mgr.latest_step() == 2 and mgr.load_latest(model, opt, sched)["n"] == 2
 
 
-class _GatedWriter(ckpt.FileSystemWriter):
+class _GatedWriter(ckpt_writer.FileSystemWriter):
     gate = threading.Event()
 
     def write_data(self, plan, planner):
@@ -271,7 +274,7 @@ def test_async_save_matches_sync(tmp_path, monkeypatch):
     CheckpointManager(tmp_path / "sync").save(1, model, opt, sched, extra={"n": 1})
 
     _GatedWriter.gate.clear()
-    monkeypatch.setattr(ckpt, "FileSystemWriter", _GatedWriter)
+    monkeypatch.setattr(ckpt_writer, "FileSystemWriter", _GatedWriter)
     amgr = CheckpointManager(tmp_path / "async", async_save=True)
     assert amgr.save(1, model, opt, sched, extra={"n": 1})
     with torch.no_grad():  # training goes on while the writer is blocked: the save is a snapshot
@@ -300,7 +303,7 @@ def test_async_save_matches_sync(tmp_path, monkeypatch):
 
 def test_async_failure_surfaces_at_wait(tmp_path, monkeypatch):
     model, opt, sched = make()
-    monkeypatch.setattr(ckpt, "FileSystemWriter", _FullDiskWriter)
+    monkeypatch.setattr(ckpt_writer, "FileSystemWriter", _FullDiskWriter)
     mgr = CheckpointManager(tmp_path, async_save=True)
     assert mgr.save(1, model, opt, sched)  # handed to the writer thread
     with pytest.raises(CheckpointError, match="No space left on device"):
@@ -336,7 +339,7 @@ def test_json_codec_round_trips_types():
     value = {"bf16": torch.randn(3, 2).to(torch.bfloat16), "empty": torch.zeros(0, 4), "flag": torch.tensor(True),
              "tup": (1, 2.5, None), "by_int": {0: "a", 7: [1, 2]}, "arr": np.arange(5, dtype=np.uint32),
              "nan": float("nan"), "dunder": {"__tensor__": 1}}
-    back = ckpt._decode(json.loads(json.dumps(ckpt._encode(value, "v"))))
+    back = ckpt_state.decode(json.loads(json.dumps(ckpt_state.encode(value, "v"))))
     for k in ("bf16", "empty", "flag"):
         assert back[k].dtype == value[k].dtype and torch.equal(back[k], value[k])
     assert back["tup"] == (1, 2.5, None) and back["by_int"] == {0: "a", 7: [1, 2]}
@@ -361,7 +364,7 @@ def test_no_pickle_anywhere(tmp_path):
     (step_dir / ".metadata").write_bytes(pickle.dumps(Evil()))
     manifest = json.loads((step_dir / "manifest.json").read_text())
     manifest["files"][".metadata"] = {"size": (step_dir / ".metadata").stat().st_size,
-                                      "sha256": ckpt._sha256(step_dir / ".metadata")}
+                                      "sha256": file_sha256(step_dir / ".metadata")}
     (step_dir / "manifest.json").write_text(json.dumps(manifest))
     assert mgr.load_latest(model, opt) is None
     assert "posix.system is not allowed" in mgr.last_report.skipped[0][1] or \
@@ -375,6 +378,8 @@ def _two_rank_worker(rank: int, world: int, init_file: str, ckpt_dir: str) -> No
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from core.parallel import full_state_dict
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -390,7 +395,7 @@ def _two_rank_worker(rank: int, world: int, init_file: str, ckpt_dir: str) -> No
         opt.step()
         mgr = CheckpointManager(ckpt_dir)
         mgr.save(1, model, opt, extra={"rank": rank})
-        full = export_full_state_dict(model)
+        full = full_state_dict(model)  # the unsharded weights, on rank 0
         if rank == 0:
             torch.save(full, Path(ckpt_dir) / "full.pt")
         # Back into a fresh sharded model on the same two ranks.

@@ -1,7 +1,7 @@
 """stages.launch: torchrun launches of the probe stage, cancellation, and the cluster renderings.
 
-The multi-process tests start real torchrun jobs of stages._probe (gloo on CPU); each costs a few
-torch imports, so they use as few ranks as what they check needs.
+The multi-process tests start real torchrun jobs of the probe stage, tests/probe_stage.py (gloo on
+CPU); each costs a few torch imports, so they use as few ranks as what they check needs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from core.config import KubernetesOptions, LauncherConfig, SlurmOptions
-from stages._probe import ProbeConfig
+from probe_stage import MODULE as PROBE, ProbeConfig
 from stages.launch import Launch, launch_nodes, launch_stage, render_kubernetes, render_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def _all_dead(pids: list[int], timeout: float = 30.0) -> bool:
 def test_local_two_ranks_write_the_manifest(tmp_path):
     lines: list[str] = []
     spec = ProbeConfig(output_dir=str(tmp_path / "out"))
-    res = launch_stage("_probe", spec, LauncherConfig(nproc_per_node=2), workdir=tmp_path / "w",
+    res = launch_stage(PROBE, spec, LauncherConfig(nproc_per_node=2), workdir=tmp_path / "w",
                        env={"MLFLOW_PARENT_RUN_ID": "parent-123"}, on_output=lines.append)
     assert res.returncode == 0 and res.ok
     assert res.manifest is not None
@@ -89,7 +89,7 @@ def test_failing_stage_returns_its_exit_code(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "manifest.json").write_text('{"stale": true}')  # an earlier run's, not this one's
-    res = launch_stage("_probe", ProbeConfig(output_dir=str(out), fail=True),
+    res = launch_stage(PROBE, ProbeConfig(output_dir=str(out), fail=True),
                        LauncherConfig(nproc_per_node=2), workdir=tmp_path / "w")
     assert res.returncode == 3  # the rank's code, not torchrun's generic 1
     assert res.manifest is None
@@ -100,7 +100,7 @@ def test_failing_stage_returns_its_exit_code(tmp_path):
 @pytest.mark.timeout(300)
 def test_max_restarts_recovers_from_a_first_failure(tmp_path):
     out = tmp_path / "out"
-    res = launch_stage("_probe", ProbeConfig(output_dir=str(out), fail_once=True),
+    res = launch_stage(PROBE, ProbeConfig(output_dir=str(out), fail_once=True),
                        LauncherConfig(nproc_per_node=2, max_restarts=1), workdir=tmp_path / "w")
     assert res.returncode == 0, res.log_file.read_text()[-3000:]
     assert res.manifest["restart_count"] == 1 and res.manifest["sum"] == 1
@@ -117,7 +117,7 @@ def test_cancel_kills_the_process_tree(tmp_path):
     process of the tree, though torchrun put each worker in a session of its own."""
     out = tmp_path / "out"
     spec = ProbeConfig(output_dir=str(out), sleep_s=600, ignore_sigterm=True)
-    job = Launch("_probe", spec, LauncherConfig(nproc_per_node=2), workdir=tmp_path / "w", grace_s=2.0).start()
+    job = Launch(PROBE, spec, LauncherConfig(nproc_per_node=2), workdir=tmp_path / "w", grace_s=2.0).start()
     try:
         workers = _worker_pids(out, 2)
         launchers = job.pids
@@ -149,7 +149,7 @@ def test_interrupt_while_waiting_leaves_no_workers(tmp_path, sig, exc):
     t.start()
     with pytest.raises(exc):
         try:
-            launch_stage("_probe", ProbeConfig(output_dir=str(out), sleep_s=600),
+            launch_stage(PROBE, ProbeConfig(output_dir=str(out), sleep_s=600),
                          LauncherConfig(nproc_per_node=1), workdir=tmp_path / "w", grace_s=10.0)
         finally:
             done.set()
@@ -184,7 +184,7 @@ def test_exception_raised_into_the_waiting_thread_cancels(tmp_path):
 
     def task():
         try:
-            launch_stage("_probe", ProbeConfig(output_dir=str(out), sleep_s=600),
+            launch_stage(PROBE, ProbeConfig(output_dir=str(out), sleep_s=600),
                          LauncherConfig(nproc_per_node=1), workdir=tmp_path / "w", grace_s=10.0)
         except _Cancelled as e:
             caught.append(e)
@@ -206,9 +206,9 @@ def test_killed_launcher_takes_its_workers_along(tmp_path):
     script = textwrap.dedent(f"""
         from pathlib import Path
         from core.config import LauncherConfig
-        from stages._probe import ProbeConfig
         from stages.launch import launch_stage
-        launch_stage("_probe", ProbeConfig(output_dir={str(out)!r}, sleep_s=600),
+        from tests.probe_stage import MODULE, ProbeConfig
+        launch_stage(MODULE, ProbeConfig(output_dir={str(out)!r}, sleep_s=600),
                      LauncherConfig(nproc_per_node=1), workdir=Path({str(tmp_path / 'w')!r}))
     """)
     flow = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
@@ -233,7 +233,7 @@ def _free_port() -> int:
 def test_two_node_launchers_meet_at_a_c10d_rendezvous(tmp_path):
     launcher = LauncherConfig(kind="multinode", nnodes=2, nproc_per_node=1,
                               rdzv_endpoint=f"127.0.0.1:{_free_port()}")
-    res = launch_nodes("_probe", ProbeConfig(output_dir=str(tmp_path / "out")), launcher,
+    res = launch_nodes(PROBE, ProbeConfig(output_dir=str(tmp_path / "out")), launcher,
                        workdir=tmp_path / "w")
     assert res.returncode == 0, res.log_file.read_text()[-3000:]
     assert (res.manifest["world_size"], res.manifest["sum"]) == (2, 1)
@@ -283,7 +283,7 @@ def test_sbatch_script_structure(tmp_path):
 
 
 def test_sbatch_cpu_job_has_no_gpu_or_partition_lines(tmp_path):
-    script = render_sbatch("_probe", tmp_path / "spec.json", LauncherConfig(kind="slurm"), workdir=tmp_path)
+    script = render_sbatch(PROBE, tmp_path / "spec.json", LauncherConfig(kind="slurm"), workdir=tmp_path)
     d = _sbatch_directives(script)
     assert "--gpus-per-node" not in d and "--partition" not in d and "--account" not in d
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script  # only with restarts
@@ -308,7 +308,7 @@ def _spec_roundtrip(configmap: dict, spec: ProbeConfig) -> None:
 
 def test_trainjob_manifest_structure():
     spec = ProbeConfig(output_dir="runs/demo/probe", sleep_s=1.5)
-    cm, job = render_kubernetes("_probe", spec, _k8s_launcher("trainjob"), env={"MLFLOW_RUN": "x'y"})
+    cm, job = render_kubernetes(PROBE, spec, _k8s_launcher("trainjob"), env={"MLFLOW_RUN": "x'y"})
     _spec_roundtrip(cm, spec)
     assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
     assert job["metadata"]["namespace"] == "ml" and cm["metadata"]["namespace"] == "ml"
@@ -318,7 +318,7 @@ def test_trainjob_manifest_structure():
     assert tr["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": 2, "cpu": 16, "memory": "64Gi"}}
     assert tr["command"][:4] == ["python", "-m", "stages.launch", "torchrun"]
     assert "--chdir=/ws" in tr["command"] and "--max-restarts=1" in tr["command"]
-    assert tr["command"][-4:] == ["-m", "stages._probe", "--config", "/etc/posttrain/spec.json"]
+    assert tr["command"][-4:] == ["-m", "tests.probe_stage", "--config", "/etc/posttrain/spec.json"]
     env = {e["name"]: e["value"] for e in tr["env"]}
     assert env["MLFLOW_RUN"] == "x'y" and env["A"] == "1" and env["OMP_NUM_THREADS"] == "8"
     override = job["spec"]["podTemplateOverrides"][0]
@@ -336,7 +336,7 @@ def test_trainjob_manifest_structure():
 @pytest.mark.parametrize("elastic", [False, True])
 def test_pytorchjob_manifest_structure(elastic):
     spec = ProbeConfig(output_dir="runs/demo/probe")
-    cm, job = render_kubernetes("_probe", spec, _k8s_launcher("pytorchjob"), elastic=elastic)
+    cm, job = render_kubernetes(PROBE, spec, _k8s_launcher("pytorchjob"), elastic=elastic)
     _spec_roundtrip(cm, spec)
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
     assert job["spec"]["nprocPerNode"] == "2"
@@ -359,18 +359,18 @@ def test_pytorchjob_manifest_structure(elastic):
 
 def test_kubernetes_single_node_and_bad_volume():
     launcher = _k8s_launcher("pytorchjob").model_copy(update={"nnodes": 1})
-    _, job = render_kubernetes("_probe", ProbeConfig(), launcher)
+    _, job = render_kubernetes(PROBE, ProbeConfig(), launcher)
     assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Master"}
     bad = _k8s_launcher("trainjob")
     bad.kubernetes.volumes = [{"name": "ws", "persistentVolumeClaim": {"claimName": "c"}}]
     with pytest.raises(ValueError, match="mountPath"):
-        render_kubernetes("_probe", ProbeConfig(), bad)
+        render_kubernetes(PROBE, ProbeConfig(), bad)
 
 
 def test_same_spec_on_every_launcher(tmp_path):
     """One spec file, byte for byte, whatever the launcher kind."""
     spec = ProbeConfig(output_dir="runs/x/probe", launcher=_k8s_launcher("trainjob"))
-    cm, _ = render_kubernetes("_probe", spec, spec.launcher)
+    cm, _ = render_kubernetes(PROBE, spec, spec.launcher)
     local = tmp_path / "spec.json"
     from core.config import to_json_file
     to_json_file(spec, local)
@@ -392,7 +392,7 @@ def test_kubernetes_launch_applies_and_follows_the_job(tmp_path, monkeypatch, co
     """))
     (bin_dir / "kubectl").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    res = launch_stage("_probe", ProbeConfig(output_dir=str(tmp_path / "out")), _k8s_launcher("trainjob"),
+    res = launch_stage(PROBE, ProbeConfig(output_dir=str(tmp_path / "out")), _k8s_launcher("trainjob"),
                        workdir=tmp_path / "w")
     assert res.returncode == code
     applied = json.loads((tmp_path / "applied.json").read_text())

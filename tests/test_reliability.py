@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import core.checkpoint as ckpt
+import core.checkpoint.writer as ckpt_writer
 from core.checkpoint import CheckpointError, CheckpointManager
 from core.config import ConfigError, ReliabilityConfig, SFTConfig, load_config
 from core.loop import fit
@@ -340,7 +340,7 @@ def test_corrupt_latest_checkpoint_resumes_from_the_previous_one(tmp_path, refer
     assert_bitwise_equal(weights(resumed.trainer.model), reference)
 
 
-class _FullDisk(ckpt.FileSystemWriter):
+class _FullDisk(ckpt_writer.FileSystemWriter):
     """Writes the shards, then fails before DCP's metadata lands: a save dying midway."""
 
     def finish(self, metadata, results):
@@ -351,12 +351,12 @@ class _FullDisk(ckpt.FileSystemWriter):
 def test_disk_full_during_a_save(tmp_path, monkeypatch, reference, mode):
     job = Job(tmp_path, steps=STEPS)
     job.manager.on_save_error = mode
-    real = ckpt.FileSystemWriter
+    real = ckpt_writer.FileSystemWriter
 
     def writer_for_step(path, *a, **k):  # the save of step 4 hits a full disk
         return (_FullDisk if "-000004-" in str(path) else real)(path, *a, **k)
 
-    monkeypatch.setattr(ckpt, "FileSystemWriter", writer_for_step)
+    monkeypatch.setattr(ckpt_writer, "FileSystemWriter", writer_for_step)
     if mode == "continue":
         job.fit()
         assert job.trainer.step == STEPS and job.manager.save_failures == 1

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from core.config import LauncherConfig, SlurmOptions
-from stages._probe import ProbeConfig
+from probe_stage import MODULE as PROBE, ProbeConfig
 from stages.launch import Launch, launch_stage, slurm_job_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def _launcher(nproc: int) -> LauncherConfig:
 
 def test_probe_runs_through_sbatch_and_srun(slurm, tmp_path):
     lines: list[str] = []
-    res = launch_stage("_probe", ProbeConfig(output_dir=str(tmp_path / "out")), _launcher(2),
+    res = launch_stage(PROBE, ProbeConfig(output_dir=str(tmp_path / "out")), _launcher(2),
                        workdir=tmp_path / "w", env={"POSTTRAIN_PROBE_MARK": "via-slurm"},
                        on_output=lines.append)
     assert res.returncode == 0, res.log_file.read_text()[-3000:]
@@ -67,7 +67,7 @@ def test_probe_runs_through_sbatch_and_srun(slurm, tmp_path):
 
 
 def test_failing_job_reports_the_rank_exit_code(slurm, tmp_path):
-    res = launch_stage("_probe", ProbeConfig(output_dir=str(tmp_path / "out"), fail=True), _launcher(1),
+    res = launch_stage(PROBE, ProbeConfig(output_dir=str(tmp_path / "out"), fail=True), _launcher(1),
                        workdir=tmp_path / "w")
     assert res.returncode == 3 and res.manifest is None
     assert slurm_job_state(res.job_id) == ("FAILED", 3)
@@ -76,7 +76,7 @@ def test_failing_job_reports_the_rank_exit_code(slurm, tmp_path):
 
 def test_cancel_scancels_the_job(slurm, tmp_path):
     out = tmp_path / "out"
-    job = Launch("_probe", ProbeConfig(output_dir=str(out), sleep_s=600), _launcher(1),
+    job = Launch(PROBE, ProbeConfig(output_dir=str(out), sleep_s=600), _launcher(1),
                  workdir=tmp_path / "w", grace_s=30.0).start()
     try:
         pid_file = out / "pids" / "rank0.pid"

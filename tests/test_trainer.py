@@ -111,10 +111,11 @@ def test_training_reduces_loss_and_moe_stats_logged():
     assert "moe/aux_loss" in m and "moe/layer0_max_load" in m
 
 
-def test_sample_returns_generations():
+def test_sampling_a_model_in_training_returns_generations():
+    """KV-cache sampling from a model mid-training gives the generations and leaves it training."""
     model = build_model(get_preset("debug"))
-    trainer = Trainer(model, OptimConfig(), total_steps=1)
-    from core.model.generate import SamplingParams
+    Trainer(model, OptimConfig(), total_steps=1)
+    from core.model.generate import SamplingParams, generate
 
-    out = trainer.sample([[1, 2, 3], [4]], SamplingParams(max_new_tokens=5, temperature=0.0))
+    out = generate(model, [[1, 2, 3], [4]], SamplingParams(max_new_tokens=5, temperature=0.0))
     assert [len(g.tokens) for g in out] == [5, 5] and model.training

@@ -1,21 +1,50 @@
 """Checkpoints across layouts on 2 ranks: DCP save under one layout, load under another (tp=2 <->
 FSDP=2, ep=2 -> tp=2, pp=2 -> FSDP=2), each load compared with the saved weights; and the full
-state dict / HF export gathered on rank 0."""
+state dict / HF export gathered on rank 0.
+
+The layouts' state dicts (DTensor pieces under the model's own names) are what core/checkpoint
+hands to DCP; the round trips here use DCP directly, so that pipeline stages take part too."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from core.config import ParallelConfig
 from core.losses import cross_entropy
 from core.model import build_model
 from core.parallel import parallelize, parallelize_pipeline
-from core.parallel.checkpoint import full_state_dict, load_sharded, save_hf, save_sharded
+from core.parallel.checkpoint import full_state_dict
 from core.parallel.mesh import ParallelDims, ParallelMesh
 from tests.parallel._dist import clone, model_args, param_diff, reference_model, run_ranks, setup
 
 TOL = 0.0  # a checkpoint round trip moves bytes, it does no arithmetic
+
+
+def _modules(model: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def _pieces(model: nn.Module | Iterable[nn.Module]) -> dict[str, torch.Tensor]:
+    """This rank's pieces of the model (or of its pipeline stages), keyed by the model's names."""
+    return {k: v for m in _modules(model) for k, v in get_model_state_dict(m).items()}
+
+
+def save_sharded(model: nn.Module | Iterable[nn.Module], path: str) -> None:
+    dcp.save(_pieces(model), checkpoint_id=path)  # collective: every rank writes its pieces
+
+
+def load_sharded(model: nn.Module | Iterable[nn.Module], path: str) -> None:
+    """Fill the model in place with the pieces its layout asks for, whatever layout saved them."""
+    state = _pieces(model)
+    dcp.load(state, checkpoint_id=path)
+    for m in _modules(model):
+        set_model_state_dict(m, {k: state[k] for k in get_model_state_dict(m)})
 
 
 def _mesh(**fields):
@@ -64,16 +93,21 @@ def _roundtrips(tmp: str) -> dict[str, float]:
     load_sharded(loaded, f"{tmp}/pp2")
     out["pp2->fsdp2"] = param_diff(ref, loaded)
 
-    # HF export of a tp=2 LoRA model: adapters merged into the gathered weights
-    from core.lora import merge_lora
-    from registry.hf import load_pretrained
+    # HF export of a tp=2 LoRA model, as the stages do it: gather (LoRA layers included) into a
+    # plain copy on rank 0, then write the merged state dict
+    from core.lora import merge_lora, merged_state_dict
+    from registry.hf import load_pretrained, save_pretrained
 
     args = model_args("debug")
-    ref = reference_model(args, lora=dict(rank=4, alpha=8.0, targets="all-linear"))
+    lora = dict(rank=4, alpha=8.0, targets="all-linear")
+    ref = reference_model(args, lora=lora)
     cfg, mesh = _mesh(tp=2)
     par = parallelize(clone(ref), cfg, mesh)
-    path = save_hf(par, f"{tmp}/hf")
-    if path is not None:
+    state = full_state_dict(par)
+    if state is not None:
+        gathered = reference_model(args, seed=3, lora=lora)  # other weights, every one overwritten
+        gathered.load_state_dict(state)
+        path = save_pretrained(gathered, f"{tmp}/hf", state=merged_state_dict(gathered))
         merge_lora(ref)
         back = load_pretrained(path)
         ref_sd = ref.state_dict()

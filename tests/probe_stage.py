@@ -1,6 +1,10 @@
 """A tiny stage for launcher tests: proves the ranks met, and reports what the launch gave them.
 
-    python -m stages._probe --config spec.json      (on every rank, under torchrun)
+    launch_stage(MODULE, ProbeConfig(...), launcher, workdir=...)
+    python -m tests.probe_stage --config spec.json      (what every rank runs, under torchrun)
+
+A test fixture, not a product stage: the launcher runs it by its dotted path, which the ranks
+import from the repository root (on their PYTHONPATH, as the launcher sets it).
 
 Every rank joins a gloo process group from the torchrun environment and all-reduces its rank, so a
 manifest with `sum == world_size * (world_size - 1) / 2` means every rank rendezvoused. Rank 0 then
@@ -12,7 +16,6 @@ MLflow variables) and the torchrun restart count. Each rank writes its pid to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -21,7 +24,10 @@ from pathlib import Path
 
 from pydantic import Field
 
+from core.atomic import write_json_atomic
 from core.config import StageConfig, from_json_file
+
+MODULE = "tests.probe_stage"  # the name to launch it by
 
 # What the manifest reports of the environment: enough to see which launcher ran the ranks and
 # that the launcher's env (e.g. MLflow's parent run id) reached them.
@@ -39,12 +45,6 @@ class ProbeConfig(StageConfig):
     ignore_sigterm: bool = Field(
         False, description="Ranks ignore SIGTERM, like a stage stuck in a collective or a slow save: "
                            "only the launcher's SIGKILL after the grace period stops them.")
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)  # the launcher never reads half a manifest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = torch.zeros(world, dtype=torch.int64)
     groups[rank] = int(os.environ.get("GROUP_RANK", "0"))
     dist.all_reduce(groups)
-    _write_json(out / "pids" / f"rank{rank}.pid", {"pid": os.getpid(), "ppid": os.getppid()})
+    write_json_atomic(out / "pids" / f"rank{rank}.pid", {"pid": os.getpid(), "ppid": os.getppid()})
 
     marker = out / ".probe_failed_once"
     if cfg.fail_once and rank == 0 and not marker.exists():
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     if rank == 0:
         env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_KEYS}
-        _write_json(out / "manifest.json", {
+        write_json_atomic(out / "manifest.json", {  # the launcher never reads half a manifest
             "stage": "_probe", "world_size": world, "sum": int(total.item()),
             "group_ranks": groups.tolist(),
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),

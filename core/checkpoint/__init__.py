@@ -1,0 +1,41 @@
+"""Atomic, verified, resumable checkpoints on torch.distributed.checkpoint (torchtitan's manager, here).
+
+Layout of `<dir>`:
+
+    step-000120/     __<rank>_<i>.distcp shards + .metadata (DCP), common.json (rank 0: non-tensor
+                     optimizer values, scheduler), rank-00000.json ... (per rank: trainer dict, RNG),
+                     manifest.json (step, time, world size, config hash, every file's size + sha256)
+    latest           "step-000120": the newest committed checkpoint
+    .tmp-step-000140-<nonce>/   a save in progress; never read, removed when stale
+
+A save writes everything into the tmp dir with fsync, then rank 0 (once every rank has reported
+its files) writes the manifest, renames the dir to its final name and os.replace()s `latest`. A
+crash or an exception at any point leaves no partial dir under a final name, `latest` untouched.
+
+Loading verifies the manifest first (presence, sizes, hashes) and falls back to the previous
+complete checkpoint when one is bad, reporting why. Only tensors go through DCP; every other value
+is JSON (no pickle), and DCP's `.metadata` is unpickled against an allowlist of DCP's own classes,
+so a checkpoint cannot run code on load. Model and optimizer go through `get_*_state_dict` /
+`set_*_state_dict`, so FSDP2/DTensor models save per-rank shards and reshard on load to another
+world size. The checkpoint dir must be visible to all ranks (a shared filesystem), as DCP needs.
+
+Modules: manager (CheckpointManager: when to save, what to keep, verified loads), writer (the
+save: snapshot, write, commit; sync or on a background thread), state (JSON codec, RNG, state
+dicts), layout (names on disk, the inventory, the allowlisted metadata unpickler).
+"""
+
+import warnings
+
+from core.checkpoint.layout import (
+    COMMON, FORMAT, LATEST, MANIFEST, CheckpointError, LoadReport, read_metadata, step_dir_name,
+)
+from core.checkpoint.manager import CheckpointManager
+from core.checkpoint.state import Stateful, config_hash
+
+# DCP warns on every save/load without a process group; single-process use is intended here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+__all__ = [
+    "COMMON", "FORMAT", "LATEST", "MANIFEST", "CheckpointError", "CheckpointManager", "LoadReport", "Stateful",
+    "config_hash", "read_metadata", "step_dir_name",
+]

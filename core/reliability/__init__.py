@@ -1,0 +1,49 @@
+"""Surviving faults in a training job: bad steps, hangs and preemption. `core.loop.fit` drives it.
+
+- Bad steps. A step whose loss or gradient norm is not finite is skipped by the Trainer; a step
+  whose loss is a spike (z-score against a rolling window of accepted losses above a threshold) is
+  skipped too. After `max_bad_steps` skipped steps in a row the loop rolls back to the last
+  checkpoint, keeping the data position, so the bad batches are not seen again.
+- Preemption. SIGTERM only sets a flag; at the next step boundary the ranks agree on it (one
+  all-reduce), write a final checkpoint and exit with EXIT_PREEMPTED (75, sysexits' EX_TEMPFAIL:
+  "try again"; the flow's retry resumes from that checkpoint). If that takes longer than the
+  grace period, a timer exits hard: checkpoints are atomic, so `latest` stays the previous one.
+- Hangs. Every rank beats a heartbeat (in memory each micro-step; a thread writes it to
+  `<dir>/<session>/heartbeat-rank*.json` every few seconds). Rank 0's thread watches all of them:
+  when a rank makes no progress for `timeout_s`, every rank dumps its Python stacks
+  (faulthandler) and the collectives it issued last (our ring buffer, plus torch's flight recorder
+  when TORCH_FR_BUFFER_SIZE is set), and rank 0 ends the job with EXIT_HUNG and the message
+  "watchdog: rank R made no progress for S s; stacks in DIR". The watchdog dir must be visible to
+  every rank (a shared filesystem, as checkpoints need). Collective timeouts
+  (`prepare_process_group`) are the backstop and must be longer than the watchdog's.
+
+What else survives what, and where it is handled:
+- A killed rank: torchrun (`launcher.max_restarts`) restarts the group, which resumes from the
+  latest complete checkpoint (model, optimizer, schedule, RNG, data position, spike window) to
+  the same weights as an uninterrupted run; past the restarts the flow retries the stage.
+- A corrupt or truncated checkpoint: core.checkpoint verifies hashes and falls back to the
+  previous one; fit logs `events/checkpoint_skipped`.
+- A full disk or I/O error while saving: `checkpoint.on_save_error` = "continue" (train on,
+  retry at the next save) or "fail"; either way `latest` stays the previous complete checkpoint.
+- MLflow down: core.tracking buffers and retries in the background; training never waits on it.
+- Prefect's API down: stages never talk to Prefect (only flows/ do; tests/test_reliability.py
+  checks no stage or core module imports it), so a running stage is unaffected; the flow's own
+  client retries, and a re-run flow skips finished stages (cache) and resumes the others.
+
+One module per idea: `recorder` (the ring buffer of recent collectives, torch's flight recorder,
+the collective timeout), `spikes` (loss-spike detection), `preemption` (SIGTERM to a checkpoint and
+exit 75), `watchdog` (heartbeats, hang detection, stack dumps) and `policy` (Reliability: what fit
+applies, built from a ReliabilityConfig).
+"""
+
+from core.reliability.policy import Reliability, TrainingDiverged
+from core.reliability.preemption import EXIT_PREEMPTED, Preempted, Preemption
+from core.reliability.recorder import RECORDER, CollectiveRecord, FlightRecorder, all_reduce, prepare_process_group
+from core.reliability.spikes import SpikeDetector
+from core.reliability.watchdog import DUMP_SIGNAL, EXIT_HUNG, Watchdog
+
+__all__ = [
+    "DUMP_SIGNAL", "EXIT_HUNG", "EXIT_PREEMPTED", "RECORDER", "CollectiveRecord", "FlightRecorder", "Preempted",
+    "Preemption", "Reliability", "SpikeDetector", "TrainingDiverged", "Watchdog", "all_reduce",
+    "prepare_process_group",
+]
