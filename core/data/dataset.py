@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core.data.encode import Document, Encoder, PreferencePair, num_tokens
+from core.data.encode import Document, Encoder, PreferencePair, Tokenizer, num_tokens
 from core.data.errors import DataError, DropStats, RowError, describe
 from core.data.formats import FORMATS, Example, detect_format, task_of, validate_row
 from core.data.sources import RawRow, Source, open_sources
@@ -24,7 +24,6 @@ from core.data.split import SPLITS, assign_split, content_hash, split_key
 
 if TYPE_CHECKING:
     from core.config import DataConfig
-    from registry.tokenizer import Tokenizer
 
 _EXPECTED = "messages, prompt+completion, prompt+chosen+rejected, or chosen+rejected"
 

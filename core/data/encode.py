@@ -16,16 +16,29 @@ A row no policy can fix is a bad row (`too_long`): DataError, or counted when on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from core.data.errors import DataError, RowError
 from core.data.formats import Conversation, Example, Preference, common_prefix
 from core.losses import IGNORE_INDEX
 
-if TYPE_CHECKING:
-    from registry.tokenizer import Tokenizer
 
 TRUNCATIONS = ("right", "left", "drop")
+
+
+class Tokenizer(Protocol):
+    """What the data path needs of a tokenizer (registry.tokenizer.Tokenizer is one): core does
+    not import the registry."""
+
+    bos_id: int | None
+    pad_id: int | None
+    chat_template: str | None
+    origin: str
+
+    def encode_chat_with_mask(self, messages: list[dict], **kwargs: Any) -> tuple[list[int], list[bool]]: ...
+
+    def encode_prompt_completion(self, prompt: Any, completion: Any, **kwargs: Any
+                                 ) -> tuple[list[int], list[bool]]: ...
 
 
 @dataclass

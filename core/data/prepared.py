@@ -26,14 +26,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-from core.data.encode import Document, PreferencePair
+from core.data.encode import Document, PreferencePair, Tokenizer
 from core.data.errors import DataError
 from core.data.split import canonical_split
 from core.manifest import is_stage_dir, read_manifest
 
 if TYPE_CHECKING:
     from core.config import DataConfig
-    from registry.tokenizer import Tokenizer
 
 TASKS = ("sft", "preference")
 COLUMNS = {
