@@ -210,7 +210,7 @@ def run_side(side: str, shape: str, cfg: dict[str, Any], model_dir: str, adapter
 
 
 def _ours(cfg, model_dir, adapter_dir):
-    from core.config import OptimConfig
+    from core.optim import OptimConfig
     from core.data.encode import Document
     from core.data.packing import collate_padding_free, pack
     from core.objectives import sft_objective

@@ -16,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from core.optim import OptimConfig, lr_lambda, param_groups
 from core.parallel.grad_norm import clip_grad_norm_ as clip_across_meshes
 from core.reliability import all_reduce
 
@@ -40,52 +41,11 @@ class LossOutput:
 Objective = Callable[[nn.Module, dict[str, Any]], LossOutput]
 
 
-class OptimLike(Protocol):
-    lr: float
-    weight_decay: float
-    betas: tuple[float, float]
-    eps: float
-    warmup_steps: int
-    schedule: str
-    min_lr_ratio: float
-    max_grad_norm: float | None
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decay matrices, never norms, biases or other 1-D parameters."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
-
-
-def lr_lambda(cfg: OptimLike, total_steps: int) -> Callable[[int], float]:
-    """Linear warmup to 1, then constant, linear or cosine decay to `min_lr_ratio`."""
-
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        if cfg.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-        if cfg.schedule == "linear":
-            decay = 1 - progress
-        else:
-            decay = 0.5 * (1 + math.cos(math.pi * progress))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
-
-    return f
-
-
 class Trainer:
     def __init__(
         self,
         model: nn.Module,
-        optim: OptimLike,
+        optim: OptimConfig,
         total_steps: int,
         *,
         autocast_dtype: torch.dtype | None = None,

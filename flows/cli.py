@@ -25,7 +25,8 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def cmd_config(args) -> int:
-    from core.config import PipelineConfig, dump_config, load_config
+    from core.config import dump_config, load_config
+    from flows.config import PipelineConfig
 
     cfg = load_config(PipelineConfig, args.config, args.overrides)
     print(json.dumps(dump_config(cfg), indent=2))
@@ -35,7 +36,8 @@ def cmd_config(args) -> int:
 def cmd_run(args) -> int:
     from flows.pipeline import run_pipeline
 
-    from core.config import PipelineConfig, load_config
+    from core.config import load_config
+    from flows.config import PipelineConfig
 
     cfg = load_config(PipelineConfig, args.config, args.overrides)
     result = run_pipeline(cfg)
@@ -49,13 +51,15 @@ def cmd_demo(args) -> int:
 
 
 def cmd_stage(args) -> int:
-    from core.config import STAGE_CONFIGS, ConfigError, load_config
+    from core.config import ConfigError, load_config
+    from stages.config import STAGE_CONFIGS
     from stages.launch import launch_stage
 
     if args.name not in STAGE_CONFIGS:
         print(f"unknown stage {args.name!r}; stages: {', '.join(STAGE_CONFIGS)}", file=sys.stderr)
         return 2
-    from core.config import LauncherConfig, TrackingConfig
+    from core.tracking import TrackingConfig
+    from stages.launch.config import LauncherConfig
 
     from pydantic import ValidationError
 
@@ -101,7 +105,7 @@ def cmd_bench(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from core.config import ModelConfig
+    from core.model.config import ModelConfig
     from core.model.generate import SamplingParams, generate
     from registry.hf import CheckpointError
     from stages.common import StageError, load_model, load_tokenizer, resolve_model_dir

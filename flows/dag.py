@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from core.config import STAGES, DistillConfig, EvalConfig, PipelineConfig, StageConfig
+from flows.config import PipelineConfig
+from stages.config import STAGES, DistillConfig, EvalConfig, StageConfig
 
 Role = Literal["model", "teacher", "data", "compare"]
 

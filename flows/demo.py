@@ -17,7 +17,8 @@ def main(overrides: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from core.config import PipelineConfig, load_config
+    from core.config import load_config
+    from flows.config import PipelineConfig
     from flows.pipeline import run_pipeline
     from flows.report import stage_table
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.config import PipelineConfig, load_config
+from core.config import load_config
+from flows.config import PipelineConfig
 from flows.pipeline import post_training
 
 ON_DEMAND = "on-demand"

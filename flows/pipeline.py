@@ -19,7 +19,9 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
-from core.config import STAGE_MODULES, PipelineConfig, StageConfig, dump_config
+from core.config import dump_config
+from flows.config import PipelineConfig
+from stages.config import STAGE_MODULES, StageConfig
 from core.manifest import MANIFEST, digest, is_stage_dir, read_manifest
 from flows.dag import PipelineDAG
 
@@ -131,7 +133,8 @@ def post_training(config: PipelineConfig) -> PipelineResult:
         if "evaluate" in results and cfg.registry.enabled:
             from registry.mlflow_registry import register_and_promote
 
-            registered = register_and_promote(cfg, results, parent_id, dag.upstream("evaluate"))
+            registered = register_and_promote(cfg.registry, cfg.tracking.tracking_uri, results, parent_id,
+                                              dag.upstream("evaluate"))
             parent.log_dict(registered, "registry_decision.json")
         from flows.report import log_reports
 

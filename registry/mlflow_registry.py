@@ -9,7 +9,19 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
+from core.config import ConfigModel
+
 log = logging.getLogger("posttrain.registry")
+
+
+class RegistryConfig(ConfigModel):
+    enabled: bool = Field(True, description="Register the evaluated model in MLflow.")
+    model_name: str = Field("posttrain-demo", description="Registered model name.")
+    promote_metric: str = Field("exact_match", description="Evaluation metric gating candidate -> champion.")
+    greater_is_better: bool = Field(True, description="Direction of promote_metric.")
+    min_delta: float = Field(0.0, ge=0, description="Margin the candidate must beat the champion by.")
 
 
 def _client(tracking_uri: str):
@@ -41,13 +53,12 @@ def register_model(client, name: str, run_id: str, model_dir: Path, metric: str,
     return client.create_model_version(name, source, run_id=run_id, tags=tags)
 
 
-def register_and_promote(cfg, results: dict[str, Any], parent_run_id: str | None,
-                         evaluated: str | None) -> dict[str, Any]:
-    """Register the model the evaluation stage judged (the output of stage `evaluated`) and gate
-    `champion` on its metric."""
+def register_and_promote(reg: RegistryConfig, tracking_uri: str, results: dict[str, Any],
+                         parent_run_id: str | None, evaluated: str | None) -> dict[str, Any]:
+    """Register the model the evaluation stage judged (the output of stage `evaluated`; `results`:
+    the pipeline's StageResults by stage) and gate `champion` on its metric."""
     if parent_run_id is None:
         raise RuntimeError("registry: no MLflow parent run to attach the model to")
-    reg = cfg.registry
     if evaluated is None:
         raise RuntimeError("registry: the evaluation stage has no upstream model stage")
     model_dir = Path(results[evaluated].output_dir) / "model"
@@ -56,7 +67,7 @@ def register_and_promote(cfg, results: dict[str, Any], parent_run_id: str | None
         raise KeyError(f"registry.promote_metric {reg.promote_metric!r} is not an evaluation metric "
                        f"(have {sorted(metrics)})")
     value = float(metrics[reg.promote_metric])
-    client = _client(cfg.tracking.tracking_uri)
+    client = _client(tracking_uri)
     lineage = {name: r.digest for name, r in results.items()}
     lineage["parent_run_id"] = parent_run_id
     version = register_model(client, reg.model_name, parent_run_id, model_dir, reg.promote_metric, value, lineage)

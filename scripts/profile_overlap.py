@@ -49,7 +49,7 @@ def _worker(rank: int, world_size: int, port: int, out: str, steps: int, seq_len
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from core.config import ParallelConfig
+    from core.parallel.config import ParallelConfig
     from core.losses import cross_entropy
     from core.model import build_model, get_preset
     from core.parallel import parallelize

@@ -18,7 +18,10 @@ from typing import Any, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from core.config import ModelConfig, ParallelConfig, StageConfig, from_json_file
+from core.config import from_json_file
+from core.model.config import ModelConfig
+from core.parallel.config import ParallelConfig
+from stages.config import StageConfig
 from core.manifest import is_stage_dir, read_manifest
 from core.model import Transformer, build_model, get_preset
 from core.tracking import NullTracker, Tracker

@@ -16,9 +16,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from core.config import DataPrepConfig
+from stages.config import DataPrepConfig
 from core.data import (SPLITS, DataError, DropStats, Encoder, ExamplePipeline, detect_format, for_each_example,
                        num_tokens, output_key, record, validate_row)
+from core.data.dataset import read_template
 from core.data.errors import RowError
 from core.data.formats import Example, Preference
 from core.data.prepared import TASKS as PREPARED_TASKS
@@ -101,6 +102,10 @@ def prepare(cfg: DataPrepConfig) -> dict[str, Any]:
     suite = make_suite(cfg.synthetic_size, cfg.synthetic_seed, tuple(cfg.synthetic_tasks or TASKS)) \
         if cfg.synthetic_size else []
     tok = _tokenizer(cfg, out, suite)
+    if cfg.chat_template is not None:  # the rows are rendered with it, and so is every later prompt
+        template = tok.chat_templates.get(cfg.chat_template) or read_template(cfg.chat_template)
+        tok.chat_templates["default"] = template
+        tok.save_pretrained(out / "tokenizer")
 
     encoder = Encoder(tok, cfg.max_tokens, truncation="drop")
     pipelines = {task: ExamplePipeline(encoder, cfg.val_fraction, cfg.test_fraction, dedup=cfg.dedup,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.config import DistillConfig
+from stages.config import DistillConfig
 from core.data.encode import Document
 from core.data.packing import collate_padding_free
 from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk

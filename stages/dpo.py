@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.config import DPOConfig
+from stages.config import DPOConfig
 from core.data.encode import PreferencePair
 from core.lora import disable_adapter
 from core.manifest import digest

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from core.config import EvalConfig, ModelConfig
+from core.model.config import ModelConfig
+from stages.config import EvalConfig
 from core.data import read_rows
 from core.manifest import digest, write_manifest
 from core.model.generate import SamplingParams, generate

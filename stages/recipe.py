@@ -27,7 +27,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from core.checkpoint import CheckpointManager
-from core.config import TrainStageConfig
+from stages.config import TrainStageConfig
 from core.lora import apply_lora
 from core.loop import fit
 from core.model import Transformer

@@ -7,7 +7,7 @@ checkpoints, throughput, HF/PEFT export and the manifest.
 
 from __future__ import annotations
 
-from core.config import SFTConfig
+from stages.config import SFTConfig
 from core.objectives import sft_objective
 from stages.common import parse_spec
 from stages.recipe import Plan, Session, run_training

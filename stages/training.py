@@ -19,7 +19,9 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from core.config import DataConfig, ParallelConfig, TrainStageConfig
+from core.data.config import DataConfig
+from core.parallel.config import ParallelConfig
+from stages.config import TrainStageConfig
 from core.data import build_loader, load_documents, load_pairs
 from core.data.encode import Document, PreferencePair
 from core.data.sampler import StatefulLoader

@@ -15,7 +15,7 @@ from typing import Any
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from core.config import DataConfig
+from core.data.config import DataConfig
 from registry.tokenizer import Tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -35,7 +35,8 @@ import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from core.checkpoint import CheckpointManager  # noqa: E402
-from core.config import OptimConfig, ReliabilityConfig  # noqa: E402
+from core.optim import OptimConfig
+from core.reliability.config import ReliabilityConfig  # noqa: E402
 from core.data.sampler import BatchSampler, StatefulLoader  # noqa: E402
 from core.loop import fit  # noqa: E402
 from core.losses import chunked_cross_entropy, num_target_tokens  # noqa: E402

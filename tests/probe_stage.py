@@ -25,7 +25,8 @@ from pathlib import Path
 from pydantic import Field
 
 from core.atomic import write_json_atomic
-from core.config import StageConfig, from_json_file
+from core.config import from_json_file
+from stages.config import StageConfig
 
 MODULE = "tests.probe_stage"  # the name to launch it by
 

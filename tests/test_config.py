@@ -6,11 +6,13 @@ from pathlib import Path
 import pytest
 
 from flows.dag import PipelineDAG
-from core.config import (
-    STAGE_CONFIGS, STAGES, ConfigError, DataConfig, DistillConfig, DPOConfig, EvalConfig,
-    LauncherConfig, LoRAConfig, ParallelConfig, PipelineConfig, SFTConfig, dump_config,
-    ensure_within, from_json_file, load_config, to_json_file,
-)
+from core.config import ConfigError, dump_config, ensure_within, from_json_file, load_config, to_json_file
+from core.data.config import DataConfig
+from core.lora.config import LoRAConfig
+from core.parallel.config import ParallelConfig
+from flows.config import PipelineConfig
+from stages.config import STAGE_CONFIGS, STAGES, DistillConfig, DPOConfig, EvalConfig, SFTConfig
+from stages.launch.config import LauncherConfig
 
 
 def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:

@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from flows.dag import PipelineDAG
-from core.config import (
-    STAGES, ConfigError, ParallelConfig, PipelineConfig, SFTConfig, dump_config, from_json_file, load_config,
-)
+from core.config import ConfigError, dump_config, from_json_file, load_config
+from core.parallel.config import ParallelConfig
+from flows.config import PipelineConfig
+from stages.config import STAGES, SFTConfig
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DEFAULT = dump_config(PipelineConfig())

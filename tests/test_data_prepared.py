@@ -10,7 +10,9 @@ import pytest
 import torch
 from data_fixtures import conv, make_tokenizer, sft_rows, write_jsonl, write_parquet
 
-from core.config import DataConfig, DataPrepConfig, DPOConfig, TrackingConfig
+from core.data.config import DataConfig
+from core.tracking import TrackingConfig
+from stages.config import DataPrepConfig, DPOConfig
 from core.data import (DataError, Encoder, collate_preference, load_data, read_documents, read_pairs,
                        read_rows, validate_row)
 from core.losses import IGNORE_INDEX
@@ -144,3 +146,61 @@ def test_raw_sources_are_read_by_the_same_api(tmp_path):
         load_documents([pref], "train", tok, cfg)
     with pytest.raises(DataError, match="needs a tokenizer and a DataConfig"):
         load_pairs([pref], "train")
+
+
+def test_the_stages_data_settings_apply_to_prepared_data(tmp_path, tok_dir):
+    """data.mask_prompt, truncation and max_seq_len act on data prep's output as on raw rows (the
+    stage reads stored tokens: the same Encoder rules, core.data.encode.truncate); chat_template,
+    which would need re-rendering, is refused with the setting to use instead."""
+    tok = make_tokenizer()
+    long = conv("the model " * 30, "four")
+    out, _ = run_prep(tmp_path, [write_jsonl(tmp_path / "s.jsonl", [SFT, long])], tok_dir, name="sft")
+    stored = read_documents(out, "train")
+    raw = load_data(DataConfig(sources=[str(tmp_path / "s.jsonl")], val_fraction=0.0, max_seq_len=40,
+                               truncation="left"), tok)["train"]
+    for truncation, mask_prompt in (("left", True), ("right", True), ("drop", True), ("right", False)):
+        cfg = DataConfig(max_seq_len=40, truncation=truncation, mask_prompt=mask_prompt, on_bad_row="skip")
+        docs = read_documents(out, "train", cfg)
+        want = load_data(cfg.model_copy(update={"sources": [str(tmp_path / "s.jsonl")], "val_fraction": 0.0}),
+                         tok)["train"]
+        assert docs == want, (truncation, mask_prompt)
+    assert len(read_documents(out, "train", DataConfig(max_seq_len=40, truncation="drop"))) == 1
+    with pytest.raises(DataError, match=r"sft_train.parquet row 1.*truncation='right' leaves no trained tokens"):
+        read_documents(out, "train", DataConfig(max_seq_len=40, truncation="right"))
+    assert read_documents(out, "train", DataConfig(max_seq_len=40, truncation="left")) == raw
+    assert read_documents(out, "train", DataConfig(max_seq_len=2048)) == stored
+    unmasked = read_documents(out, "train", DataConfig(mask_prompt=False))
+    assert all(d.labels == d.input_ids for d in unmasked) and stored[0].labels != stored[0].input_ids
+    with pytest.raises(DataError, match="data.chat_template.*set data_prep.chat_template"):
+        from core.data import load_documents
+
+        load_documents(out, "train", tok, DataConfig(chat_template="{{ messages }}"))
+
+
+def test_prepared_pairs_are_fitted_to_the_stages_max_seq_len(tmp_path, tok_dir):
+    tok = make_tokenizer()
+    long = {**PREF, "prompt": [{"role": "user", "content": "the model " * 30}]}
+    src = write_jsonl(tmp_path / "p.jsonl", [PREF, long])
+    out, _ = run_prep(tmp_path, [src], tok_dir)
+    for truncation in ("left", "right", "drop"):
+        cfg = DataConfig(max_seq_len=40, truncation=truncation, on_bad_row="skip")
+        got = [p for p, _ in read_pairs(out, "train", cfg)]
+        want = load_data(cfg.model_copy(update={"sources": [str(src)], "val_fraction": 0.0}), tok)["train"]
+        assert sorted(map(str, got)) == sorted(map(str, want)), truncation
+        assert all(p.longest <= 40 for p in got)
+
+
+def test_data_prep_chat_template_renders_the_rows_and_travels_with_the_tokenizer(tmp_path, tok_dir):
+    from registry.tokenizer import Tokenizer
+
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ': ' + m['content'] + '<|im_end|>' }}"
+                "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant: ' }}{% endif %}")
+    (tmp_path / "t.jinja").write_text(template)
+    src = write_jsonl(tmp_path / "s.jsonl", [SFT])
+    out, _ = run_prep(tmp_path, [src], tok_dir, chat_template=str(tmp_path / "t.jinja"))
+    (doc,) = read_documents(out, "train")
+    tok = Tokenizer.from_pretrained(out / "tokenizer")
+    assert tok.chat_template == template
+    assert tok.decode(doc.input_ids).startswith("<|im_start|>user: what is two plus two<|im_end|>")
+    default, _ = run_prep(tmp_path, [src], tok_dir, name="default")
+    assert read_documents(default, "train") != [doc]

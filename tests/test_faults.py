@@ -203,7 +203,7 @@ def test_fit_with_mlflow_down_finishes_and_delivers_later(tmp_path, monkeypatch)
     a Prefect outage cannot reach a running stage.)"""
     from mlflow import MlflowClient
 
-    from core.config import TrackingConfig
+    from core.tracking import TrackingConfig
     from core.tracking import Tracker
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.config import KubernetesOptions, LauncherConfig, SlurmOptions
+from core.config import spec_text
+from stages.launch.config import KubernetesOptions, LauncherConfig, SlurmOptions
 from probe_stage import MODULE as PROBE, ProbeConfig
 from stages.launch import Launch, launch_nodes, launch_stage, render_kubernetes, render_sbatch
 
@@ -205,7 +206,7 @@ def test_killed_launcher_takes_its_workers_along(tmp_path):
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         from pathlib import Path
-        from core.config import LauncherConfig
+        from stages.launch.config import LauncherConfig
         from stages.launch import launch_stage
         from tests.probe_stage import MODULE, ProbeConfig
         launch_stage(MODULE, ProbeConfig(output_dir={str(out)!r}, sleep_s=600),
@@ -308,7 +309,7 @@ def _spec_roundtrip(configmap: dict, spec: ProbeConfig) -> None:
 
 def test_trainjob_manifest_structure():
     spec = ProbeConfig(output_dir="runs/demo/probe", sleep_s=1.5)
-    cm, job = render_kubernetes(PROBE, spec, _k8s_launcher("trainjob"), env={"MLFLOW_RUN": "x'y"})
+    cm, job = render_kubernetes(PROBE, spec_text(spec), _k8s_launcher("trainjob"), env={"MLFLOW_RUN": "x'y"})
     _spec_roundtrip(cm, spec)
     assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
     assert job["metadata"]["namespace"] == "ml" and cm["metadata"]["namespace"] == "ml"
@@ -336,7 +337,7 @@ def test_trainjob_manifest_structure():
 @pytest.mark.parametrize("elastic", [False, True])
 def test_pytorchjob_manifest_structure(elastic):
     spec = ProbeConfig(output_dir="runs/demo/probe")
-    cm, job = render_kubernetes(PROBE, spec, _k8s_launcher("pytorchjob"), elastic=elastic)
+    cm, job = render_kubernetes(PROBE, spec_text(spec), _k8s_launcher("pytorchjob"), elastic=elastic)
     _spec_roundtrip(cm, spec)
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
     assert job["spec"]["nprocPerNode"] == "2"
@@ -359,18 +360,18 @@ def test_pytorchjob_manifest_structure(elastic):
 
 def test_kubernetes_single_node_and_bad_volume():
     launcher = _k8s_launcher("pytorchjob").model_copy(update={"nnodes": 1})
-    _, job = render_kubernetes(PROBE, ProbeConfig(), launcher)
+    _, job = render_kubernetes(PROBE, spec_text(ProbeConfig()), launcher)
     assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Master"}
     bad = _k8s_launcher("trainjob")
     bad.kubernetes.volumes = [{"name": "ws", "persistentVolumeClaim": {"claimName": "c"}}]
     with pytest.raises(ValueError, match="mountPath"):
-        render_kubernetes(PROBE, ProbeConfig(), bad)
+        render_kubernetes(PROBE, spec_text(ProbeConfig()), bad)
 
 
 def test_same_spec_on_every_launcher(tmp_path):
     """One spec file, byte for byte, whatever the launcher kind."""
     spec = ProbeConfig(output_dir="runs/x/probe", launcher=_k8s_launcher("trainjob"))
-    cm, _ = render_kubernetes(PROBE, spec, spec.launcher)
+    cm, _ = render_kubernetes(PROBE, spec_text(spec), spec.launcher)
     local = tmp_path / "spec.json"
     from core.config import to_json_file
     to_json_file(spec, local)

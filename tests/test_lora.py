@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.lora.config import LoRAConfig
 from core.lora import (
     LoRALinear, adapter_config, adapter_names, adapter_state_dict, apply_lora, count_trainable,
     delete_adapter, disable_adapter, load_adapter_state_dict, lora_modules, lora_parameters,
@@ -92,27 +93,23 @@ def test_target_forms():
     with pytest.raises(TypeError, match="unknown LoRA option"):
         apply_lora(Tiny(), rnak=4)
 
-    class Cfg:  # duck-typed config object, like core.config.LoRAConfig
-        rank, alpha, dropout, targets, use_rslora, use_dora = 2, 4.0, 0.0, ["o_proj"], True, False
-        quantize_base, double_quant = False, True
-
     model = Tiny()
-    assert apply_lora(model, Cfg()) == ["layers.0.attn.o_proj", "layers.1.attn.o_proj"]
+    cfg = LoRAConfig(rank=2, alpha=4.0, targets=["o_proj"], use_rslora=True)
+    assert apply_lora(model, cfg) == ["layers.0.attn.o_proj", "layers.1.attn.o_proj"]
     m = model.layers[0].attn["o_proj"]
     assert m.lora_A["default"].shape == (2, H)
     assert m.scaling["default"] == pytest.approx(4 / math.sqrt(2))
 
 
 def test_config_object_globs_and_several_adapters():
-    config = pytest.importorskip("core.config")
-    cfg = config.LoRAConfig(enabled=True, rank=4, alpha=8, targets=["attn.*"], use_dora=True,
+    cfg = LoRAConfig(enabled=True, rank=4, alpha=8, targets=["attn.*"], use_dora=True,
                             quantize_base="nf4", double_quant=True, adapter_names=["a", "b"])
     model = Tiny()
     wrapped = apply_lora(model, cfg)
     assert len(wrapped) == 8 and all(".attn." in n for n in wrapped)
     assert adapter_names(model) == ["a", "b"] and model.layers[0].attn["q_proj"].quantized
     assert model.layers[0].attn["q_proj"].active_adapter == "a"
-    assert len(apply_lora(Tiny(), config.LoRAConfig(targets=["all-linear"]))) == 12
+    assert len(apply_lora(Tiny(), LoRAConfig(targets=["all-linear"]))) == 12
     assert len(apply_lora(Tiny(), targets=["re:layers\\.0\\..*"])) == 6
 
 
@@ -457,7 +454,7 @@ def test_nf4_linear_saves_no_dense_weight():
 
 def test_qlora_apply_and_count():
     model = Tiny()
-    apply_lora(model, targets="all-linear", rank=4, quantize_base=True)
+    apply_lora(model, targets="all-linear", rank=4, quantize_base="nf4")
     sd = model.state_dict()
     assert "layers.0.attn.q_proj.weight.packed" in sd and "layers.0.attn.q_proj.bias" in sd
     assert not model.lm_head.weight.requires_grad  # excluded head stays dense and frozen

@@ -43,7 +43,8 @@ def workdir(tmp_path_factory):
 
 
 def config(workdir: Path, *extra: str):
-    from core.config import PipelineConfig, load_config
+    from core.config import load_config
+    from flows.config import PipelineConfig
     from flows.demo import DEMO_CONFIG
 
     sets = TINY + [f"workspace={workdir / 'runs'}", f"tracking.tracking_uri=sqlite:///{workdir / 'mlflow.db'}",

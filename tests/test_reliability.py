@@ -20,7 +20,9 @@ import torch
 
 import core.checkpoint.writer as ckpt_writer
 from core.checkpoint import CheckpointError, CheckpointManager
-from core.config import ConfigError, ReliabilityConfig, SFTConfig, load_config
+from core.config import ConfigError, load_config
+from core.reliability.config import ReliabilityConfig
+from stages.config import SFTConfig
 from core.loop import fit
 from core.reliability import (
     EXIT_PREEMPTED, FlightRecorder, Preempted, Preemption, Reliability, SpikeDetector,

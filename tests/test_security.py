@@ -222,7 +222,8 @@ SECRETS = {"hf": "hf_SECRETtoken123", "aws": "AKIAsecretvalue", "pw": "hunter2pw
 
 
 def _secret_config():
-    from core.config import PipelineConfig, load_config
+    from core.config import load_config
+    from flows.config import PipelineConfig
 
     return load_config(PipelineConfig, overrides=[
         f"launcher.env.HF_TOKEN={SECRETS['hf']}", f"launcher.env.AWS_SECRET_ACCESS_KEY={SECRETS['aws']}",
@@ -266,7 +267,7 @@ def test_stage_spec_file_is_private(tmp_path):
 # ------------------------------------------------------------------------------ names and paths
 
 def test_adapter_names_cannot_escape(tmp_path):
-    from core.config import LoRAConfig
+    from core.lora.config import LoRAConfig
     from core.lora import apply_lora
     from core.model import build_model, get_preset
     from registry.adapters import load_adapter, save_adapter
@@ -300,7 +301,8 @@ def test_mlflow_artifact_paths_stay_in_the_run(bad):
 
 
 def test_config_paths_and_names_stay_in_the_workspace():
-    from core.config import ConfigError, PipelineConfig, load_config
+    from core.config import ConfigError, load_config
+    from flows.config import PipelineConfig
 
     for item in ["name=../x", "name=a/b", "workspace=runs/../..", "sft_teacher.output_dir=../../x",
                  "dpo.output_dir=/etc", "evaluate.output_dir=a/../../../x"]:
@@ -313,7 +315,9 @@ def test_slurm_script_cannot_be_injected():
     key would be a shell command. Both are refused; env values are quoted."""
     import shlex
 
-    from core.config import ConfigError, LauncherConfig, PipelineConfig, load_config
+    from core.config import ConfigError, load_config
+    from flows.config import PipelineConfig
+    from stages.launch.config import LauncherConfig
     from stages.launch import render_sbatch
 
     for item in [r'launcher.slurm.partition="gpu\nrm -rf ~"', r'launcher.slurm.extra_args=["--qos=high\ncurl x|sh"]',

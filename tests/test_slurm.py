@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import LauncherConfig, SlurmOptions
+from stages.launch.config import LauncherConfig, SlurmOptions
 from probe_stage import MODULE as PROBE, ProbeConfig
 from stages.launch import Launch, launch_stage, slurm_job_state
 

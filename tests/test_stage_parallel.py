@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from core.config import DataPrepConfig, SFTConfig, TrackingConfig, to_json_file
+from core.config import to_json_file
+from core.tracking import TrackingConfig
+from stages.config import DataPrepConfig, SFTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-4  # fp32 on CPU: the layouts differ from one process by summation order (~1e-7 measured)

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from core.config import (DataPrepConfig, DistillConfig, DPOConfig, LauncherConfig, SFTConfig, TrackingConfig)
+from core.tracking import TrackingConfig
+from stages.config import DataPrepConfig, DistillConfig, DPOConfig, SFTConfig
+from stages.launch.config import LauncherConfig
 
 OFF = TrackingConfig(enabled=False)
 DATA = {"batch_tokens": 512, "max_seq_len": 128}
@@ -178,7 +180,7 @@ def test_mfu_is_reported_against_a_known_peak():
 
 def test_evaluation_samples_differ_across_repetitions(prepared):
     """num_samples > 1 draws each repetition from its own seed (it reused one, repeating a sample)."""
-    from core.config import EvalConfig
+    from stages.config import EvalConfig
     from stages.evaluate import run
 
     out = prepared / "eval-samples"
@@ -194,7 +196,8 @@ def test_evaluation_samples_differ_across_repetitions(prepared):
 
 
 def test_evaluation_refuses_model_parallel_layouts():
-    from core.config import ConfigError, EvalConfig, load_config
+    from core.config import ConfigError, load_config
+    from stages.config import EvalConfig
 
     with pytest.raises(ConfigError, match="parallel.tp=2: evaluation splits the examples"):
         load_config(EvalConfig, overrides=["parallel.tp=2"])
@@ -205,7 +208,7 @@ def test_parallel_backend_is_the_process_groups(monkeypatch):
     existed); 'nccl' without CUDA is refused before any group."""
     import torch.distributed as dist
 
-    from core.config import ParallelConfig
+    from core.parallel.config import ParallelConfig
     from core.parallel.mesh import init_process_group
     from stages.common import StageError, start_distributed
 

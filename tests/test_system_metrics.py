@@ -9,7 +9,7 @@ import uuid
 import pytest
 from mlflow import MlflowClient
 
-from core.config import TrackingConfig
+from core.tracking import TrackingConfig
 from core.tracking import Tracker
 
 

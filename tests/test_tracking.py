@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from core.config import TrackingConfig
+from core.tracking import TrackingConfig
 from core.tracking import MASK, NullTracker, Tracker, create_tracker, flatten_params
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from core.config import OptimConfig
+from core.optim import OptimConfig
 from core.losses import chunked_cross_entropy, num_target_tokens
 from core.model import build_model, get_preset
 from core.trainer import LossOutput, Trainer, lr_lambda, param_groups

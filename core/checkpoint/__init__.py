@@ -22,20 +22,27 @@ world size. The checkpoint dir must be visible to all ranks (a shared filesystem
 Modules: manager (CheckpointManager: when to save, what to keep, verified loads), writer (the
 save: snapshot, write, commit; sync or on a background thread), state (JSON codec, RNG, state
 dicts), layout (names on disk, the inventory, the allowlisted metadata unpickler).
+
+Names load on first use (core.lazy): `core.checkpoint.config` (CheckpointConfig) imports without torch.
 """
 
 import warnings
 
-from core.checkpoint.layout import (
-    COMMON, FORMAT, LATEST, MANIFEST, CheckpointError, LoadReport, read_metadata, step_dir_name,
-)
-from core.checkpoint.manager import CheckpointManager
-from core.checkpoint.state import Stateful, config_hash
+from core.lazy import lazy_exports
 
 # DCP warns on every save/load without a process group; single-process use is intended here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-__all__ = [
-    "COMMON", "FORMAT", "LATEST", "MANIFEST", "CheckpointError", "CheckpointManager", "LoadReport", "Stateful",
-    "config_hash", "read_metadata", "step_dir_name",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "COMMON": "core.checkpoint.layout",
+    "CheckpointError": "core.checkpoint.layout",
+    "CheckpointManager": "core.checkpoint.manager",
+    "FORMAT": "core.checkpoint.layout",
+    "LATEST": "core.checkpoint.layout",
+    "LoadReport": "core.checkpoint.layout",
+    "MANIFEST": "core.checkpoint.layout",
+    "Stateful": "core.checkpoint.state",
+    "config_hash": "core.checkpoint.state",
+    "read_metadata": "core.checkpoint.layout",
+    "step_dir_name": "core.checkpoint.layout",
+})

@@ -16,25 +16,51 @@
 
 Split names are "train", "validation", "test" everywhere. Bad rows raise DataError naming file,
 row and field, or are counted in DropStats when on_bad_row="skip".
+
+Names load on first use (core.lazy): `core.data.config` (DataConfig) imports without torch.
 """
 
-from core.data.dataset import ExamplePipeline, PreparedData, for_each_example, load_data, load_rows, make_encoder
-from core.data.encode import Document, Encoder, PreferencePair, num_tokens
-from core.data.errors import REASONS, DataError, DropStats
-from core.data.formats import FORMATS, common_prefix, detect_format, validate_row
-from core.data.loader import Loader, build_loader
-from core.data.packing import collate_padded, collate_padding_free, collate_preference, pack, sequence_sums
-from core.data.prepared import (load_documents, load_pairs, output_key, prepared_files, read_documents, read_pairs,
-                                read_rows, record)
-from core.data.sampler import BatchSampler, StatefulLoader
-from core.data.sources import open_sources
-from core.data.split import SPLITS, assign_split, canonical_split, content_hash, split_key
+from core.lazy import lazy_exports
 
-__all__ = [
-    "FORMATS", "REASONS", "SPLITS", "BatchSampler", "DataError", "Document", "DropStats", "Encoder",
-    "ExamplePipeline", "Loader", "PreferencePair", "PreparedData", "StatefulLoader", "assign_split", "build_loader",
-    "canonical_split", "collate_padded", "collate_padding_free", "collate_preference", "common_prefix",
-    "content_hash", "detect_format", "for_each_example", "load_data", "load_documents", "load_pairs", "load_rows",
-    "make_encoder", "num_tokens", "open_sources", "output_key", "pack", "prepared_files", "read_documents",
-    "read_pairs", "read_rows", "record", "sequence_sums", "split_key", "validate_row",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "BatchSampler": "core.data.sampler",
+    "DataError": "core.data.errors",
+    "Document": "core.data.encode",
+    "DropStats": "core.data.errors",
+    "Encoder": "core.data.encode",
+    "ExamplePipeline": "core.data.dataset",
+    "FORMATS": "core.data.formats",
+    "Loader": "core.data.loader",
+    "PreferencePair": "core.data.encode",
+    "PreparedData": "core.data.dataset",
+    "REASONS": "core.data.errors",
+    "SPLITS": "core.data.split",
+    "StatefulLoader": "core.data.sampler",
+    "assign_split": "core.data.split",
+    "build_loader": "core.data.loader",
+    "canonical_split": "core.data.split",
+    "collate_padded": "core.data.packing",
+    "collate_padding_free": "core.data.packing",
+    "collate_preference": "core.data.packing",
+    "common_prefix": "core.data.formats",
+    "content_hash": "core.data.split",
+    "detect_format": "core.data.formats",
+    "for_each_example": "core.data.dataset",
+    "load_data": "core.data.dataset",
+    "load_documents": "core.data.prepared",
+    "load_pairs": "core.data.prepared",
+    "load_rows": "core.data.dataset",
+    "make_encoder": "core.data.dataset",
+    "num_tokens": "core.data.encode",
+    "open_sources": "core.data.sources",
+    "output_key": "core.data.prepared",
+    "pack": "core.data.packing",
+    "prepared_files": "core.data.prepared",
+    "read_documents": "core.data.prepared",
+    "read_pairs": "core.data.prepared",
+    "read_rows": "core.data.prepared",
+    "record": "core.data.prepared",
+    "sequence_sums": "core.data.packing",
+    "split_key": "core.data.split",
+    "validate_row": "core.data.formats",
+})

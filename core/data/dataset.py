@@ -23,7 +23,7 @@ from core.data.sources import RawRow, Source, open_sources
 from core.data.split import SPLITS, assign_split, content_hash, split_key
 
 if TYPE_CHECKING:
-    from core.config import DataConfig
+    from core.data.config import DataConfig
 
 _EXPECTED = "messages, prompt+completion, prompt+chosen+rejected, or chosen+rejected"
 
@@ -73,12 +73,15 @@ class ExamplePipeline:
 
 def make_encoder(cfg: DataConfig, tokenizer: Tokenizer) -> Encoder:
     """The Encoder for a DataConfig: its max_seq_len, truncation, mask_prompt and chat_template."""
-    template = cfg.chat_template
-    # A name (e.g. "tool_use"), a Jinja file, or the template text itself (it has "{" and may be too
-    # long a string to stat).
+    return Encoder(tokenizer, cfg.max_seq_len, cfg.truncation, cfg.mask_prompt, read_template(cfg.chat_template))
+
+
+def read_template(template: str | None) -> str | None:
+    """A chat template setting: a name (e.g. "tool_use"), a Jinja file (read here), or the template
+    text itself (it has "{" and may be too long a string to stat)."""
     if template is not None and "{" not in template and Path(template).is_file():
-        template = Path(template).read_text(encoding="utf-8")
-    return Encoder(tokenizer, cfg.max_seq_len, cfg.truncation, cfg.mask_prompt, template)
+        return Path(template).read_text(encoding="utf-8")
+    return template
 
 
 def load_data(cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:

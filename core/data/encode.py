@@ -119,7 +119,7 @@ class Encoder:
             raise RowError("no_target_tokens", field, "the chat template renders no assistant tokens")
         labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)] if self.mask_prompt else list(ids)
         if len(ids) > self.max_len:
-            ids, labels = self._truncate(field, ids, labels, _last_run_start(mask))
+            ids, labels = self._truncate(field, ids, labels, last_run_start(mask))
         if not _has_target(labels):  # e.g. a one-token reply at position 0: nothing predicts it
             raise RowError("no_target_tokens", field, "no token is trained on (none follows another token)")
         return Document(ids, labels)
@@ -177,27 +177,33 @@ class Encoder:
                 raise RowError("no_target_tokens", name, "no completion token is trained on")
         return pair
 
-    # -------------------------------------------------------------------------------------- truncate
-
     def _truncate(self, field: str, ids: list[int], labels: list[int], completion_start: int):
-        over = f"{len(ids)} tokens > max_seq_len={self.max_len}"
-        if self.truncation == "drop":
-            raise RowError("too_long", field, f"{over} (truncation='drop')", always_skip=True)
-        if self.truncation == "right":
-            ids, labels = ids[: self.max_len], labels[: self.max_len]
-            if not _has_target(labels):
-                raise RowError("too_long", field, f"{over}, and truncation='right' leaves no trained tokens")
-            return ids, labels
-        # left: drop tokens after BOS (the model always saw BOS first), never from the final completion
-        head = 1 if self.bos_id is not None and ids[:1] == [self.bos_id] else 0
-        cut = len(ids) - self.max_len
-        if head + cut > completion_start:
-            raise RowError("too_long", field, f"{over}, and truncation='left' keeps the final completion whole: "
-                                              f"it has {len(ids) - completion_start} tokens")
-        return ids[:head] + ids[head + cut :], labels[:head] + labels[head + cut :]
+        return truncate(ids, labels, self.max_len, self.truncation, self.bos_id, completion_start, field)
 
 
-def _last_run_start(mask: list[bool]) -> int:
+def truncate(ids: list[int], labels: list[int], max_len: int, policy: str, bos_id: int | None,
+             completion_start: int, field: str = "completion") -> tuple[list[int], list[int]]:
+    """Apply a truncation policy (module docstring) to a sequence longer than `max_len`; RowError
+    when the policy drops it or cannot keep a trained token. `completion_start`: where the final
+    completion begins (kept whole by 'left')."""
+    over = f"{len(ids)} tokens > max_seq_len={max_len}"
+    if policy == "drop":
+        raise RowError("too_long", field, f"{over} (truncation='drop')", always_skip=True)
+    if policy == "right":
+        ids, labels = ids[:max_len], labels[:max_len]
+        if not _has_target(labels):
+            raise RowError("too_long", field, f"{over}, and truncation='right' leaves no trained tokens")
+        return ids, labels
+    # left: drop tokens after BOS (the model always saw BOS first), never from the final completion
+    head = 1 if bos_id is not None and ids[:1] == [bos_id] else 0
+    cut = len(ids) - max_len
+    if head + cut > completion_start:
+        raise RowError("too_long", field, f"{over}, and truncation='left' keeps the final completion whole: "
+                                          f"it has {len(ids) - completion_start} tokens")
+    return ids[:head] + ids[head + cut :], labels[:head] + labels[head + cut :]
+
+
+def last_run_start(mask: list[bool]) -> int:
     """Start of the last run of True: the final assistant reply / completion."""
     k = len(mask) - 1
     while k >= 0 and not mask[k]:

@@ -41,7 +41,7 @@ from core.data.packing import collate_padded, collate_padding_free, collate_pref
 from core.data.sampler import BatchSampler, StatefulLoader
 
 if TYPE_CHECKING:
-    from core.config import DataConfig
+    from core.data.config import DataConfig
     from core.data.dataset import PreparedData
 
 

@@ -14,8 +14,8 @@ end-of-turn token); they are stored, not rebuilt from ids, so the stages train o
 labels data prep computed.
 
     read_rows(sources, task, split)           the rows as dicts
-    read_documents(sources, split, max_seq_len)   SFT Documents
-    read_pairs(sources, split)                (PreferencePair, row) with the row's other fields
+    read_documents(sources, split, cfg)       SFT Documents (the stage's mask_prompt and truncation)
+    read_pairs(sources, split, cfg)           (PreferencePair, row) with the row's other fields
     load_documents / load_pairs               the same for stage sources that may also be raw
                                               files (validated, tokenized and split by load_data)
 """
@@ -26,13 +26,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-from core.data.encode import Document, PreferencePair, Tokenizer
-from core.data.errors import DataError
+from core.data.encode import Document, PreferencePair, Tokenizer, last_run_start, truncate
+from core.data.errors import DataError, RowError
+from core.losses import IGNORE_INDEX
 from core.data.split import canonical_split
 from core.manifest import is_stage_dir, read_manifest
 
 if TYPE_CHECKING:
-    from core.config import DataConfig
+    from core.data.config import DataConfig
 
 TASKS = ("sft", "preference")
 COLUMNS = {
@@ -109,10 +110,28 @@ def read_rows(sources: Sources, task: str, split: str) -> list[dict[str, Any]]:
     return rows
 
 
-def read_documents(sources: Sources, split: str, max_seq_len: int | None = None) -> list[Document]:
-    """SFT Documents of a split of prepared sources, with the stored labels, cut to max_seq_len."""
-    end = max_seq_len
-    return [Document(r["input_ids"][:end], r["labels"][:end]) for r in read_rows(sources, "sft", split)]
+def read_documents(sources: Sources, split: str, cfg: DataConfig | None = None,
+                   bos_id: int | None = None) -> list[Document]:
+    """SFT Documents of a split of prepared sources, with the stored labels. With the stage's `cfg`:
+    `mask_prompt=False` puts the loss on every token, and a document over `max_seq_len` goes
+    through `truncation` as a raw row would (core.data.encode.truncate); one no policy can fit is
+    a DataError naming its file and row (or skipped, with on_bad_row='skip')."""
+    docs = []
+    for src in _as_list(sources):
+        for i, r in enumerate(read_rows(src, "sft", split)):
+            ids, labels = r["input_ids"], r["labels"]
+            if cfg is not None and not cfg.mask_prompt:
+                labels = list(ids)
+            if cfg is not None and len(ids) > cfg.max_seq_len:
+                try:
+                    ids, labels = truncate(ids, labels, cfg.max_seq_len, cfg.truncation, bos_id,
+                                           last_run_start([x != IGNORE_INDEX for x in r["labels"]]))
+                except RowError as e:
+                    if e.always_skip or cfg.on_bad_row == "skip":
+                        continue
+                    raise DataError.from_row(e, str(prepared_files(src, "sft", split)[0]), i, "row") from None
+            docs.append(Document(ids, labels))
+    return docs
 
 
 def pair_of(row: dict[str, Any]) -> PreferencePair:
@@ -121,10 +140,46 @@ def pair_of(row: dict[str, Any]) -> PreferencePair:
                           row["rejected_labels"])
 
 
-def read_pairs(sources: Sources, split: str) -> list[tuple[PreferencePair, dict[str, Any]]]:
+def read_pairs(sources: Sources, split: str, cfg: DataConfig | None = None,
+               bos_id: int | None = None) -> list[tuple[PreferencePair, dict[str, Any]]]:
     """(PreferencePair, row) for every preference row of a split of prepared sources; the row keeps
-    its other fields (e.g. the synthetic suite's `answer` and `task`, which on-policy DPO verifies)."""
-    return [(pair_of(r), r) for r in read_rows(sources, "preference", split)]
+    its other fields (e.g. the synthetic suite's `answer` and `task`, which on-policy DPO verifies).
+    With the stage's `cfg`, a pair whose prompt + longest completion exceeds max_seq_len goes
+    through `truncation` as the Encoder does for raw rows: right cuts the completions, left the
+    prompt (after BOS), drop skips the pair; one no policy fits is a DataError (or skipped)."""
+    out = []
+    for src in _as_list(sources):
+        for i, r in enumerate(read_rows(src, "preference", split)):
+            pair = pair_of(r)
+            if cfg is not None and pair.longest > cfg.max_seq_len:
+                try:
+                    pair = _fit_pair(pair, cfg.max_seq_len, cfg.truncation, bos_id)
+                except RowError as e:
+                    if e.always_skip or cfg.on_bad_row == "skip":
+                        continue
+                    raise DataError.from_row(e, str(prepared_files(src, "preference", split)[0]), i, "row") from None
+            out.append((pair, r))
+    return out
+
+
+def _fit_pair(p: PreferencePair, max_len: int, policy: str, bos_id: int | None) -> PreferencePair:
+    over = f"prompt + longest completion = {p.longest} tokens > max_seq_len={max_len}"
+    if policy == "drop":
+        raise RowError("too_long", "chosen", f"{over} (truncation='drop')", always_skip=True)
+    if policy == "left":
+        head = 1 if bos_id is not None and p.prompt_ids[:1] == [bos_id] else 0
+        cut = p.longest - max_len
+        if cut > len(p.prompt_ids) - head:
+            raise RowError("too_long", "chosen", f"{over}, and truncation='left' keeps completions whole")
+        prompt = p.prompt_ids[:head] + p.prompt_ids[head + cut:]
+        return PreferencePair(prompt, p.chosen_ids, p.chosen_labels, p.rejected_ids, p.rejected_labels)
+    room = max_len - len(p.prompt_ids)
+    out = PreferencePair(p.prompt_ids, p.chosen_ids[:room], p.chosen_labels[:room], p.rejected_ids[:room],
+                         p.rejected_labels[:room])
+    for name, labels in (("chosen", out.chosen_labels), ("rejected", out.rejected_labels)):
+        if all(x == IGNORE_INDEX for x in labels):
+            raise RowError("too_long", name, f"{over}, and truncation='right' leaves no {name} tokens")
+    return out
 
 
 def _load_raw(src: str | Path, task: str, split: str, tokenizer: Tokenizer | None, cfg: DataConfig | None) -> list:
@@ -139,6 +194,12 @@ def _load_raw(src: str | Path, task: str, split: str, tokenizer: Tokenizer | Non
     return data[canonical_split(split)]
 
 
+def _check_prepared(src: str | Path, cfg: DataConfig | None) -> None:
+    if cfg is not None and cfg.chat_template is not None:
+        raise DataError(f"data.chat_template={cfg.chat_template!r} cannot apply to data prep's output, which is "
+                        "tokenized already; set data_prep.chat_template instead", source=str(src))
+
+
 def load_documents(sources: Sources, split: str, tokenizer: Tokenizer | None = None,
                    cfg: DataConfig | None = None) -> list[Document]:
     """SFT Documents of `split` from every source: data prep's Parquet for a stage directory (cut to
@@ -147,7 +208,8 @@ def load_documents(sources: Sources, split: str, tokenizer: Tokenizer | None = N
     docs: list[Document] = []
     for src in _as_list(sources):
         if is_prepared(src):
-            docs.extend(read_documents(src, split, cfg.max_seq_len if cfg is not None else None))
+            _check_prepared(src, cfg)
+            docs.extend(read_documents(src, split, cfg, getattr(tokenizer, "bos_id", None)))
         else:
             docs.extend(_load_raw(src, "sft", split, tokenizer, cfg))
     return docs
@@ -160,7 +222,8 @@ def load_pairs(sources: Sources, split: str, tokenizer: Tokenizer | None = None,
     out: list[tuple[PreferencePair, dict[str, Any]]] = []
     for src in _as_list(sources):
         if is_prepared(src):
-            out.extend(read_pairs(src, split))
+            _check_prepared(src, cfg)
+            out.extend(read_pairs(src, split, cfg, getattr(tokenizer, "bos_id", None)))
         else:
             out.extend((p, record({}, p)) for p in _load_raw(src, "preference", split, tokenizer, cfg))
     return out

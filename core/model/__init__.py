@@ -1,6 +1,16 @@
-"""The decoder-only transformer (dense and MoE), its presets and KV-cache sampling."""
+"""The decoder-only transformer (dense and MoE), its presets and KV-cache sampling.
 
-from core.model.args import PRESETS, ModelArgs, MoEArgs, get_preset
-from core.model.model import KVCache, Transformer, build_model
+Names load on first use (core.lazy): `core.model.config` (ModelConfig) imports without torch.
+"""
 
-__all__ = ["PRESETS", "KVCache", "ModelArgs", "MoEArgs", "Transformer", "build_model", "get_preset"]
+from core.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "KVCache": "core.model.model",
+    "MoEArgs": "core.model.args",
+    "ModelArgs": "core.model.args",
+    "PRESETS": "core.model.args",
+    "Transformer": "core.model.model",
+    "build_model": "core.model.model",
+    "get_preset": "core.model.args",
+})

@@ -9,25 +9,27 @@ Files: mesh (device mesh), mappings (collectives as autograd pairs), tensor (TP 
 sharded MoE), context (ring attention), pipeline (stages and schedules), data_parallel
 (DDP / FSDP2 / HSDP, activation checkpointing, compile), grad_norm (clipping across meshes),
 checkpoint (the full state dict, gathered for export).
+
+Names load on first use (core.lazy): `core.parallel.config` (ParallelConfig) imports without torch.
 """
 
-from core.parallel.checkpoint import full_state_dict
-from core.parallel.context import context_parallel_shard, context_parallel_unshard
-from core.parallel.expert import reduce_moe_stats
-from core.parallel.grad_norm import clip_grad_norm_, grad_norm
-from core.parallel.losses import (
-    vocab_parallel_cross_entropy,
-    vocab_parallel_distill_loss,
-    vocab_parallel_sequence_logps,
-    vocab_parallel_token_logps,
-)
-from core.parallel.mesh import ParallelDims, ParallelMesh, init_distributed
-from core.parallel.parallelize import parallelize, parallelize_pipeline
-from core.parallel.plans import transformer_tp_plan
+from core.lazy import lazy_exports
 
-__all__ = [
-    "ParallelDims", "ParallelMesh", "clip_grad_norm_", "context_parallel_shard", "context_parallel_unshard",
-    "full_state_dict", "grad_norm", "init_distributed", "parallelize", "parallelize_pipeline",
-    "reduce_moe_stats", "transformer_tp_plan", "vocab_parallel_cross_entropy",
-    "vocab_parallel_distill_loss", "vocab_parallel_sequence_logps", "vocab_parallel_token_logps",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "ParallelDims": "core.parallel.mesh",
+    "ParallelMesh": "core.parallel.mesh",
+    "clip_grad_norm_": "core.parallel.grad_norm",
+    "context_parallel_shard": "core.parallel.context",
+    "context_parallel_unshard": "core.parallel.context",
+    "full_state_dict": "core.parallel.checkpoint",
+    "grad_norm": "core.parallel.grad_norm",
+    "init_distributed": "core.parallel.mesh",
+    "parallelize": "core.parallel.parallelize",
+    "parallelize_pipeline": "core.parallel.parallelize",
+    "reduce_moe_stats": "core.parallel.expert",
+    "transformer_tp_plan": "core.parallel.plans",
+    "vocab_parallel_cross_entropy": "core.parallel.losses",
+    "vocab_parallel_distill_loss": "core.parallel.losses",
+    "vocab_parallel_sequence_logps": "core.parallel.losses",
+    "vocab_parallel_token_logps": "core.parallel.losses",
+})

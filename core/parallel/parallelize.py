@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from core.config import ParallelConfig
+from core.parallel.config import ParallelConfig
 from core.model.moe import MoE
 from core.parallel.context import apply_context_parallel
 from core.parallel.data_parallel import apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from core.config import ParallelConfig
+from core.parallel.config import ParallelConfig
 from core.model.model import Transformer, attention_masks
 from core.model.moe import MoE
 from core.model.rope import rope_cos_sin

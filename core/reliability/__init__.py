@@ -34,16 +34,25 @@ One module per idea: `recorder` (the ring buffer of recent collectives, torch's 
 the collective timeout), `spikes` (loss-spike detection), `preemption` (SIGTERM to a checkpoint and
 exit 75), `watchdog` (heartbeats, hang detection, stack dumps) and `policy` (Reliability: what fit
 applies, built from a ReliabilityConfig).
+
+Names load on first use (core.lazy): `core.reliability.config` (ReliabilityConfig) imports without torch.
 """
 
-from core.reliability.policy import Reliability, TrainingDiverged
-from core.reliability.preemption import EXIT_PREEMPTED, Preempted, Preemption
-from core.reliability.recorder import RECORDER, CollectiveRecord, FlightRecorder, all_reduce, prepare_process_group
-from core.reliability.spikes import SpikeDetector
-from core.reliability.watchdog import DUMP_SIGNAL, EXIT_HUNG, Watchdog
+from core.lazy import lazy_exports
 
-__all__ = [
-    "DUMP_SIGNAL", "EXIT_HUNG", "EXIT_PREEMPTED", "RECORDER", "CollectiveRecord", "FlightRecorder", "Preempted",
-    "Preemption", "Reliability", "SpikeDetector", "TrainingDiverged", "Watchdog", "all_reduce",
-    "prepare_process_group",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "CollectiveRecord": "core.reliability.recorder",
+    "DUMP_SIGNAL": "core.reliability.watchdog",
+    "EXIT_HUNG": "core.reliability.watchdog",
+    "EXIT_PREEMPTED": "core.reliability.preemption",
+    "FlightRecorder": "core.reliability.recorder",
+    "Preempted": "core.reliability.preemption",
+    "Preemption": "core.reliability.preemption",
+    "RECORDER": "core.reliability.recorder",
+    "Reliability": "core.reliability.policy",
+    "SpikeDetector": "core.reliability.spikes",
+    "TrainingDiverged": "core.reliability.policy",
+    "Watchdog": "core.reliability.watchdog",
+    "all_reduce": "core.reliability.recorder",
+    "prepare_process_group": "core.reliability.recorder",
+})

@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from core.config import LauncherConfig, StageConfig, dump_config
+from stages.launch.config import LauncherConfig
 from stages.launch.signals import LAUNCHER_PID_ENV
 
 ROOT = Path(__file__).resolve().parents[2]  # holds the `stages` package; on the ranks' PYTHONPATH
@@ -41,9 +41,10 @@ def check_stage_module(module: str) -> None:
         raise ValueError(f"no stage module {stage_module(module)}")
 
 
-def rdzv_id(module: str, spec: StageConfig) -> str:
-    """A rendezvous id every node derives alike from what it is given, with no coordinator."""
-    digest = hashlib.sha256(json.dumps([module, dump_config(spec)], sort_keys=True).encode())
+def rdzv_id(module: str, spec_json: str) -> str:
+    """A rendezvous id every node derives alike from what it is given (the stage and its spec
+    text, core.config.spec_text), with no coordinator."""
+    digest = hashlib.sha256(json.dumps([module, spec_json]).encode())
     return f"{stage_label(module)}-{digest.hexdigest()[:12]}"
 
 

@@ -8,7 +8,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from core.config import LauncherConfig, StageConfig, to_json_file
+from core.atomic import write_text_atomic
+from core.config import ConfigModel, spec_text
+from stages.launch.config import LauncherConfig
 from stages.launch.base import LaunchResult, Runner
 from stages.launch.commands import check_stage_module, local_env, rdzv_id, stage_module, torchrun_command
 from stages.launch.kubernetes import KubeJob, render_kubernetes
@@ -28,7 +30,7 @@ class Launch:
     tests, and a single box posing as a cluster, exercise the c10d rendezvous.
     """
 
-    def __init__(self, module: str, spec: StageConfig, launcher: LauncherConfig, *, workdir: Path,
+    def __init__(self, module: str, spec: ConfigModel, launcher: LauncherConfig, *, workdir: Path,
                  env: dict | None = None, log_file: Path | None = None,
                  on_output: Callable[[str], None] | None = None, grace_s: float = 15.0, nodes: int = 1):
         check_stage_module(module)
@@ -51,14 +53,17 @@ class Launch:
 
     def _start(self) -> Launch:
         self._cwd = Path.cwd()  # relative paths in the spec are read from here, by ranks and manifest
-        spec_file = to_json_file(self.spec, self.workdir / "spec.json").resolve()
+        # The spec is serialized once: the file the ranks parse, the rendezvous id, the ConfigMap.
+        spec_json = spec_text(self.spec)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        spec_file = write_text_atomic(self.workdir / "spec.json", spec_json, mode=0o600).resolve()
         kind = self.launcher.kind
         self._sink = LogSink(self.log_file, self.on_output,
                              f"==> posttrain launch {stage_module(self.module)} ({kind}) {time.strftime('%F %T')}")
         self._t0 = time.monotonic()
         if kind in ("local", "multinode"):
             env = local_env(self.launcher, self.env)
-            rid = rdzv_id(self.module, self.spec)
+            rid = rdzv_id(self.module, spec_json)
             # Node launchers on one host must agree on the address the workers meet at.
             addr = "127.0.0.1" if self.nodes > 1 else None
             cmd = torchrun_command(self.module, spec_file, self.launcher, rdzv=rid, local_addr=addr)
@@ -72,7 +77,7 @@ class Launch:
                                             env=self.env, cwd=self._cwd))
             self._runners = [SlurmJob(script, self.workdir, self._sink)]
         else:
-            manifests = render_kubernetes(self.module, self.spec, self.launcher, env=self.env)
+            manifests = render_kubernetes(self.module, spec_json, self.launcher, env=self.env)
             (self.workdir / "manifests.json").write_text(json.dumps(manifests, indent=2))
             self._runners = [KubeJob(manifests, self._sink)]
         return self
@@ -138,7 +143,7 @@ class Launch:
             self.cancel()
 
 
-def launch_stage(module: str, spec: StageConfig, launcher: LauncherConfig, *, workdir: Path,
+def launch_stage(module: str, spec: ConfigModel, launcher: LauncherConfig, *, workdir: Path,
                  env: dict | None = None, log_file: Path | None = None,
                  on_output: Callable[[str], None] | None = None, grace_s: float = 15.0) -> LaunchResult:
     """Run stage `module` with `spec` on `launcher` and wait for it (see the package docstring).
@@ -151,7 +156,7 @@ def launch_stage(module: str, spec: StageConfig, launcher: LauncherConfig, *, wo
         return job.wait()
 
 
-def launch_nodes(module: str, spec: StageConfig, launcher: LauncherConfig, *, workdir: Path,
+def launch_nodes(module: str, spec: ConfigModel, launcher: LauncherConfig, *, workdir: Path,
                  env: dict | None = None, log_file: Path | None = None,
                  on_output: Callable[[str], None] | None = None, grace_s: float = 15.0) -> LaunchResult:
     """All `launcher.nnodes` node launchers of a 'multinode' launch, on this host."""

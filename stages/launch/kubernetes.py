@@ -8,7 +8,7 @@ import re
 import subprocess
 import time
 
-from core.config import LauncherConfig, StageConfig, dump_config
+from stages.launch.config import LauncherConfig
 from stages.launch.base import LaunchError
 from stages.launch.commands import rank_env, rdzv_id, stage_label, stage_module, templates
 from stages.launch.logstream import LogSink
@@ -17,7 +17,7 @@ SPEC_MOUNT = "/etc/posttrain"  # where Kubernetes pods find the spec ConfigMap
 _DONE = {"Complete": 0, "Succeeded": 0, "Failed": 1}  # TrainJob / PyTorchJob conditions
 
 
-def render_kubernetes(module: str, spec: StageConfig, launcher: LauncherConfig, *,
+def render_kubernetes(module: str, spec_json: str, launcher: LauncherConfig, *,
                       name: str | None = None, env: dict | None = None, elastic: bool = False) -> list[dict]:
     """[ConfigMap with the spec JSON, TrainJob or PyTorchJob] from infra/kubernetes/*.yaml.j2.
 
@@ -29,7 +29,7 @@ def render_kubernetes(module: str, spec: StageConfig, launcher: LauncherConfig, 
     k8s = launcher.kubernetes
     if not k8s.image:
         raise ValueError("launcher.kubernetes.image is required to render Kubernetes manifests")
-    name = name or rdzv_id(module, spec).replace("_", "-").lower()[:63].rstrip("-")
+    name = name or rdzv_id(module, spec_json).replace("_", "-").lower()[:63].rstrip("-")
     if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 63:
         raise ValueError(f"job name {name!r} is not a DNS label (a-z, 0-9, '-', at most 63)")
     volumes = [{"name": "posttrain-spec", "configMap": {"name": f"{name}-spec"}}]
@@ -49,7 +49,7 @@ def render_kubernetes(module: str, spec: StageConfig, launcher: LauncherConfig, 
     ctx = dict(
         name=name, namespace=k8s.namespace, config_map=f"{name}-spec", spec_dir=SPEC_MOUNT,
         labels={"app.kubernetes.io/name": "posttrain", "posttrain/stage": stage_label(module)},
-        spec_json=json.dumps(dump_config(spec), indent=2, sort_keys=True), image=k8s.image,
+        spec_json=spec_json, image=k8s.image,
         command=cmd, nnodes=launcher.nnodes, nproc=launcher.nproc_per_node,
         max_restarts=launcher.max_restarts, runtime=k8s.runtime, service_account=k8s.service_account,
         resources={"limits": dict(k8s.resources)} if k8s.resources else {},

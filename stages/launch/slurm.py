@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from core.config import LauncherConfig
+from stages.launch.config import LauncherConfig
 from stages.launch.base import LaunchError
 from stages.launch.commands import ROOT, rank_env, stage_label, stage_module, templates
 from stages.launch.logstream import FileTail, LogSink

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from core.config import ParallelConfig
+from core.parallel.config import ParallelConfig
 from core.losses import cross_entropy
 from core.model import build_model, get_preset
 from core.model.moe import MoE

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from core.config import ParallelConfig
+from core.parallel.config import ParallelConfig
 from core.losses import cross_entropy
 from core.model import build_model
 from core.parallel import parallelize, parallelize_pipeline

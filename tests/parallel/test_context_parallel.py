@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from core.config import ParallelConfig
+from core.parallel.config import ParallelConfig
 from core.losses import IGNORE_INDEX, cross_entropy
 from core.losses import shift_labels as _shift
 from core.model.model import build_attention_mask

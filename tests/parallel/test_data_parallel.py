@@ -9,7 +9,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from core.config import ParallelConfig
+from core.parallel.config import ParallelConfig
 from core.parallel import parallelize
 from core.parallel.mesh import ParallelDims, ParallelMesh
 from tests.parallel._dist import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.config import ParallelConfig
+from core.parallel.config import ParallelConfig
 from core.model.args import MoEArgs
 from core.model.moe import MoE, routed_experts
 from core.parallel import parallelize

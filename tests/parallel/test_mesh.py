@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from core.config import ParallelConfig
+from core.parallel.config import ParallelConfig
 from core.model import get_preset
 from core.parallel.mesh import ParallelDims, TorchrunEnv, init_distributed
 from tests.parallel._dist import run_ranks

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core.config import ParallelConfig
+from core.parallel.config import ParallelConfig
 from core.losses import cross_entropy
 from core.parallel import parallelize_pipeline
 from core.parallel.losses import vocab_parallel_cross_entropy

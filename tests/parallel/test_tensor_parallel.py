@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from core import losses as L
-from core.config import ParallelConfig
+from core.parallel.config import ParallelConfig
 from core.parallel import parallelize
 from core.parallel import losses as VP
 from core.parallel import mappings as M

@@ -19,11 +19,9 @@ which is how MLflow nests runs (what `mlflow.start_run(nested=True)` does in one
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -33,93 +31,17 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Mapping
 
+from core.tracking.params import (MASK, MAX_TAG_LEN, check_artifact_path, clean_key,
+                                  flatten_params, is_secret_key, mask_secrets, plain, truncate)
+
 logger = logging.getLogger(__name__)
 
 PARENT_ENV = ("POSTTRAIN_PARENT_RUN_ID", "MLFLOW_PARENT_RUN_ID")
 PARENT_TAG = "mlflow.parentRunId"
-# mlflow.utils.validation limits, repeated so that importing this module does not import mlflow.
-MAX_PARAM_LEN, MAX_TAG_LEN, MAX_KEY_LEN = 6000, 8000, 250
 METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100
 # Errors MLflow will answer the same way however often we retry: drop the data, do not buffer it.
 PERMANENT = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE",
              "RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED", "UNAUTHENTICATED"}
-
-MASK = "***"
-_SECRET_KEY = re.compile(r"(^|[_\-.])(password|passwd|pwd|secret|token|api_?key|access_?key|private_?key"
-                         r"|credentials?|auth|authorization)($|[_\-.])", re.IGNORECASE)
-_URI_PASSWORD = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^/\s:@]+:)([^@/\s]+)(@)")
-_QUERY_SECRET = re.compile(r"([?&](?:password|token|secret|api_?key|access_?key|sig|signature)=)([^&\s]+)",
-                           re.IGNORECASE)
-_BAD_KEY_CHARS = re.compile(r"[^\w\-. /:]")
-
-
-# ------------------------------------------------------------------------------ params
-
-def is_secret_key(key: str) -> bool:
-    return any(_SECRET_KEY.search(part) for part in str(key).split("."))
-
-
-def mask_secrets(text: str) -> str:
-    """Passwords inside URIs (scheme://user:pass@host) and secret query parameters -> ***."""
-    return _QUERY_SECRET.sub(rf"\1{MASK}", _URI_PASSWORD.sub(rf"\1{MASK}\3", text))
-
-
-def _plain(obj: Any) -> Any:
-    if hasattr(obj, "model_dump"):  # pydantic
-        return obj.model_dump(mode="json")
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.asdict(obj)
-    return obj
-
-
-def _scrub(obj: Any) -> Any:
-    """Secret-named entries masked anywhere inside lists and dicts (a list of env dicts...)."""
-    obj = _plain(obj)
-    if isinstance(obj, Mapping):
-        return {k: MASK if is_secret_key(k) else _scrub(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_scrub(v) for v in obj]
-    return obj
-
-
-def _truncate(text: str, limit: int) -> str:
-    marker = "...[truncated]"
-    return text if len(text) <= limit else text[: limit - len(marker)] + marker
-
-
-def check_artifact_path(path: str | None, what: str = "artifact path") -> str | None:
-    """A user-given artifact path must stay inside the run's artifact root: relative, without
-    `..`, backslashes or NUL (MLflow joins it onto the root, local or S3)."""
-    if not path:
-        return path
-    text = str(path)
-    if ("\x00" in text or "\\" in text or text.startswith("/") or re.match(r"^[A-Za-z]:", text)
-            or ".." in text.split("/")):
-        raise ValueError(f"{what} {text!r} must be a relative path inside the run's artifacts (no '..', "
-                         "no absolute path, no backslash)")
-    return text
-
-
-def clean_key(key: str) -> str:
-    return _BAD_KEY_CHARS.sub("_", str(key))[:MAX_KEY_LEN]
-
-
-def flatten_params(obj: Any, prefix: str = "") -> dict[str, str]:
-    """A nested config (dicts, pydantic models, dataclasses) as MLflow params: dotted keys,
-    values stringified (lists as JSON) and truncated to MLflow's limit, secrets masked."""
-    obj = _plain(obj)
-    if isinstance(obj, Mapping) and (obj or not prefix):
-        out: dict[str, str] = {}
-        for k, v in obj.items():
-            key = f"{prefix}.{k}" if prefix else str(k)
-            out.update({key: MASK} if is_secret_key(str(k)) else flatten_params(v, key))
-        return out
-    if isinstance(obj, (list, tuple, Mapping)):
-        text = json.dumps(_scrub(obj), default=str)
-    else:
-        text = str(obj)
-    return {clean_key(prefix): _truncate(mask_secrets(text), MAX_PARAM_LEN)}
-
 
 # ------------------------------------------------------------------------------ trackers
 
@@ -258,7 +180,7 @@ class Tracker(NullTracker):
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         with self._lock:
             for k, v in tags.items():
-                self._tags[clean_key(k)] = MASK if is_secret_key(k) else _truncate(mask_secrets(str(v)), MAX_TAG_LEN)
+                self._tags[clean_key(k)] = MASK if is_secret_key(k) else truncate(mask_secrets(str(v)), MAX_TAG_LEN)
         self._wake.set()
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
@@ -282,9 +204,9 @@ class Tracker(NullTracker):
         path = self._stage(artifact_file)
         if path.suffix in (".yaml", ".yml"):
             import yaml
-            path.write_text(yaml.safe_dump(_plain(d), sort_keys=False))
+            path.write_text(yaml.safe_dump(plain(d), sort_keys=False))
         else:
-            path.write_text(json.dumps(_plain(d), indent=2, default=str))
+            path.write_text(json.dumps(plain(d), indent=2, default=str))
         self._log_staged(path, artifact_file)
 
     def log_text(self, text: str, artifact_file: str) -> None:

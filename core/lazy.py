@@ -1,0 +1,27 @@
+"""Package namespaces whose names load on first use (PEP 562).
+
+A package whose modules import torch lists its public names here instead of importing them in
+its __init__, so its torch-free parts (the `config` modules, which the Prefect flow process
+loads) import without torch, while `from core.model import Transformer` still works:
+
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, {"Transformer": "core.model.model", ...})
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
+    """(__getattr__, __dir__, __all__) for `package`: name -> the module defining it."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(exports[name]), name)
+
+    def __dir__() -> list[str]:
+        return sorted(exports)
+
+    return __getattr__, __dir__, sorted(exports)

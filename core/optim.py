@@ -1,0 +1,65 @@
+"""OptimConfig and what it means: AdamW parameter groups and the learning-rate schedule
+(core.trainer.Trainer builds the optimizer from them). Torch-free, like every config module."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from pydantic import Field, field_validator
+
+from core.config import ConfigModel
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+class OptimConfig(ConfigModel):
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (not on norms and biases).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps from 0 to lr.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "cosine", description="Decay after warmup, to lr * min_lr_ratio at the last step.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global grad norm; None = off.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"betas must lie in [0, 1), got {v}")
+        return v
+
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay matrices, never norms, biases or other 1-D parameters."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """Linear warmup to 1, then constant, linear or cosine decay to `min_lr_ratio`."""
+
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        if cfg.schedule == "linear":
+            decay = 1 - progress
+        else:
+            decay = 0.5 * (1 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+    return f

@@ -1,0 +1,208 @@
+"""Each stage's config, and the stage names a pipeline wires them by.
+
+A stage's spec is self-contained: model, data, layout and loop, plus its own launcher and tracking
+when it is run alone (`launcher: None` = the pipeline's). Building blocks come from their owners:
+ModelConfig (core.model.config), LoRAConfig (core.lora.config), ParallelConfig
+(core.parallel.config), OptimConfig (core.optim), DataConfig (core.data.config),
+CheckpointConfig (core.checkpoint.config), ReliabilityConfig (core.reliability.config),
+TrackingConfig (core.tracking), LauncherConfig (stages.launch.config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from core.checkpoint.config import CheckpointConfig
+from core.config import ConfigModel
+from core.data.config import DataConfig
+from core.lora.config import LoRAConfig
+from core.model.config import ModelConfig
+from core.optim import OptimConfig
+from core.parallel.config import ParallelConfig
+from core.reliability.config import ReliabilityConfig
+from core.tracking import TrackingConfig
+from stages.launch.config import LauncherConfig
+
+
+STAGES = ("data_prep", "sft_teacher", "sft_student", "distill", "dpo", "evaluate")
+
+
+StageName = Literal["data_prep", "sft_teacher", "sft_student", "distill", "dpo", "evaluate"]
+
+
+STAGE_MODULES = {"data_prep": "data_prep", "sft_teacher": "sft", "sft_student": "sft",
+                 "distill": "distill", "dpo": "dpo", "evaluate": "evaluate"}
+"""Pipeline stage name -> `stages.<module>` entry point that runs it."""
+
+
+def check_layout(parallel: ParallelConfig, launcher: LauncherConfig) -> None:
+    """ValueError when the launcher's ranks cannot hold the parallel layout; checked when the
+    config loads, so an impossible layout never starts a process."""
+    try:
+        parallel.resolve(launcher.nnodes * launcher.nproc_per_node)
+    except ValueError as e:
+        raise ValueError(f"parallel: {e} (the launcher starts {launcher.nnodes} node(s) x "
+                         f"{launcher.nproc_per_node} ranks)") from None
+
+
+class StageConfig(ConfigModel):
+    output_dir: str | None = Field(None, description="Output dir; None = <workspace>/<pipeline>/<stage>.")
+    launcher: LauncherConfig | None = Field(None, description="None = the pipeline's launcher.")
+    tracking: TrackingConfig | None = Field(None, description="None = the pipeline's tracking.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed for init, dropout and sampling.")
+
+
+class DataPrepConfig(StageConfig):
+    sources: list[str] = Field([], description="JSONL/Parquet/HF dataset dirs to import.")
+    format: Literal["sft", "preference", "auto"] = Field("auto", description="Row schema of sources.")
+    synthetic_size: int = Field(2000, ge=0, description="Examples in the verifiable synthetic suite.")
+    synthetic_seed: int = Field(0, ge=0, lt=2**63, description="Seed of the synthetic suite.")
+    synthetic_tasks: list[str] | None = Field(None, description="Synthetic tasks; None = all.")
+    tokenizer: str | None = Field(None, description="HF tokenizer dir; None = train a small BPE one.")
+    chat_template: str | None = Field(
+        None, description="Template name, Jinja file or text the rows are rendered with; None = the tokenizer's.")
+    vocab_size: int = Field(512, ge=32, description="Vocabulary of the trained tokenizer.")
+    val_fraction: float = Field(0.05, ge=0, lt=1, description="Share of examples in the validation split.")
+    test_fraction: float = Field(0.05, ge=0, lt=1, description="Share of examples in the test split.")
+    dedup: bool = Field(True, description="Drop duplicates before splitting, so no test row leaks.")
+    min_tokens: int = Field(1, ge=1, description="Drop shorter examples.")
+    max_tokens: int = Field(2048, ge=1, description="Drop longer examples.")
+    on_bad_row: Literal["error", "skip"] = Field("error", description="Raise on, or skip, malformed rows.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataPrepConfig:
+        if self.val_fraction + self.test_fraction >= 1:
+            raise ValueError("val_fraction + test_fraction must leave some training data")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
+        if not self.sources and self.synthetic_size == 0:
+            raise ValueError("no data: give sources or a synthetic_size > 0")
+        return self
+
+
+class TrainStageConfig(StageConfig):
+    """What SFT, distillation and DPO share: the model being trained and the loop around it."""
+
+    init_from: StageName | None = Field(None, description="Stage whose output is the start model.")
+    model: ModelConfig = Field(ModelConfig(), description="The model being trained.")
+    lora: LoRAConfig = Field(LoRAConfig(), description="Adapters; disabled = full fine-tuning.")
+    parallel: ParallelConfig = Field(ParallelConfig(), description="Mesh and parallelism.")
+    optim: OptimConfig = Field(OptimConfig(), description="Optimizer and LR schedule.")
+    data: DataConfig = Field(DataConfig(), description="Training data.")
+    checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="Checkpoints and resume.")
+    reliability: ReliabilityConfig = Field(ReliabilityConfig(), description="Bad steps, hangs, preemption.")
+    max_steps: int | None = Field(200, gt=0, description="Stop after this many steps (or `epochs`).")
+    epochs: int = Field(1, ge=1, description="Stop after this many passes (or `max_steps`).")
+    eval_interval: int = Field(50, ge=0, description="Validation every N steps; 0 = only at the end.")
+    save: Literal["full", "adapter"] = Field(
+        "full", description="Output all weights (LoRA merged in) or only the adapter (PEFT format).")
+    export_merged: bool = Field(False, description="Also write an HF checkpoint for use elsewhere.")
+
+    @model_validator(mode="after")
+    def _check_train(self) -> TrainStageConfig:
+        if self.save == "adapter" and not self.lora.enabled:
+            raise ValueError("save='adapter' needs lora.enabled=true")
+        if self.launcher is not None:
+            check_layout(self.parallel, self.launcher)
+        return self
+
+
+class SFTConfig(TrainStageConfig):
+    data: DataConfig = Field(DataConfig(format="sft"), description="Prompt/response or chat data.")
+
+
+class DistillConfig(TrainStageConfig):
+    init_from: StageName | None = Field("sft_student", description="Stage whose output is the student.")
+    model: ModelConfig = Field(ModelConfig(), description="The student (the model being trained).")
+    teacher: ModelConfig = Field(ModelConfig(), description="The frozen teacher; same vocabulary.")
+    teacher_from: StageName | None = Field("sft_teacher", description="Stage whose output is the teacher.")
+    data: DataConfig = Field(DataConfig(format="sft"), description="Prompts (and responses).")
+    kind: Literal["forward_kl", "reverse_kl", "jsd"] = Field("forward_kl", description="Divergence.")
+    temperature: float = Field(1.0, gt=0, description="Softmax temperature of both; loss scaled by T^2.")
+    jsd_beta: float = Field(0.5, ge=0, le=1, description="Generalized JSD weight (0 fwd KL, 1 rev KL).")
+    mode: Literal["online", "on_policy", "offline"] = Field(
+        "online", description="Teacher scores data live, scores student samples, or was precomputed.")
+    on_policy_ratio: float = Field(0.5, ge=0, le=1, description="on_policy: share of student batches.")
+    max_new_tokens: int = Field(64, gt=0, description="On-policy generation length.")
+    top_k: int | None = Field(None, gt=0, description="Teacher's top-k logits only (offline: required).")
+    ce_weight: float = Field(0.0, ge=0, description="Weight of a hard-label cross-entropy term.")
+
+    @model_validator(mode="after")
+    def _check_distill(self) -> DistillConfig:
+        if self.mode == "offline" and self.top_k is None:
+            raise ValueError("mode='offline' stores teacher logits per token; set top_k (e.g. 64)")
+        return self
+
+
+class DPOConfig(TrainStageConfig):
+    init_from: StageName | None = Field("distill", description="Stage whose output is the policy.")
+    lora: LoRAConfig = Field(LoRAConfig(enabled=True), description="Adapters; the base is the reference.")
+    optim: OptimConfig = Field(OptimConfig(lr=5e-5), description="Optimizer; DPO wants a small lr.")
+    data: DataConfig = Field(DataConfig(format="preference"), description="Pairs, or prompts (on_policy).")
+    beta: float = Field(0.1, gt=0, description="Strength of the implicit KL to the reference.")
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = Field(
+        "sigmoid", description="DPO, IPO, SLiC hinge, robust DPO, or SimPO (reference-free).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed label-flip rate (cDPO/rDPO).")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO target reward margin.")
+    sft_weight: float = Field(0.0, ge=0, description="Weight of an NLL term on chosen responses (RPO).")
+    reference: Literal["precomputed", "disable_adapter", "model"] = Field(
+        "disable_adapter", description="Reference log-probs: computed once before training ('precomputed'), "
+                                       "by the LoRA base ('disable_adapter'), or by a frozen copy of the starting "
+                                       "model run beside the policy ('model').")
+    pairs: Literal["offline", "on_policy"] = Field(
+        "offline", description="Pairs from the data, or policy samples ranked by the task verifier.")
+    num_samples: int = Field(4, ge=2, description="On-policy samples per prompt.")
+    max_new_tokens: int = Field(64, gt=0, description="On-policy generation length.")
+    gen_temperature: float = Field(1.0, gt=0, description="On-policy sampling temperature.")
+
+    @model_validator(mode="after")
+    def _check_dpo(self) -> DPOConfig:
+        if self.loss_type != "simpo" and self.reference == "disable_adapter":
+            if not self.lora.enabled:
+                raise ValueError("reference='disable_adapter' needs lora.enabled=true; "
+                                 "use reference='precomputed' for full fine-tuning")
+            if self.lora.init_lora_weights == "pissa":
+                raise ValueError("reference='disable_adapter' with PiSSA init is not the original model")
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
+            raise ValueError(f"label_smoothing applies to loss_type sigmoid/robust, not {self.loss_type!r}")
+        return self
+
+
+class EvalConfig(StageConfig):
+    init_from: StageName | None = Field("dpo", description="Stage whose output is evaluated.")
+    model: ModelConfig = Field(ModelConfig(), description="The model evaluated.")
+    compare_to: list[str] = Field(
+        ["sft_student", "distill"], description="Stages or model dirs evaluated alongside.")
+    parallel: ParallelConfig = Field(
+        ParallelConfig(), description="Device, backend and data-parallel ranks the examples are split over "
+                                      "(each holds the whole model: tp, pp, cp and ep stay 1).")
+    data: DataConfig = Field(DataConfig(), description="Evaluation data.")
+    split: Literal["validation", "test"] = Field("test", description="Split evaluated.")
+    max_examples: int | None = Field(None, gt=0, description="At most this many examples; None = all.")
+    max_new_tokens: int = Field(64, gt=0, description="Generation length.")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    num_samples: int = Field(1, ge=1, description="Samples per prompt (pass@k).")
+    batch_size: int = Field(16, gt=0, description="Prompts per generation batch per rank.")
+    save_samples: bool = Field(True, description="Log generations as an artifact.")
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError("num_samples > 1 with temperature=0 repeats one greedy sample")
+        split = [f"parallel.{k}={getattr(self.parallel, k)}" for k in ("tp", "pp", "cp", "ep")
+                 if getattr(self.parallel, k) > 1]
+        if split:
+            raise ValueError(f"{', '.join(split)}: evaluation splits the examples over data-parallel ranks, "
+                             "each holding the whole model; set them to 1")
+        if self.launcher is not None:
+            check_layout(self.parallel, self.launcher)
+        return self
+
+
+STAGE_CONFIGS: dict[str, type[StageConfig]] = {
+    "data_prep": DataPrepConfig, "sft": SFTConfig, "distill": DistillConfig,
+    "dpo": DPOConfig, "evaluate": EvalConfig}
+"""Stage module name -> its config class (for `python -m stages.<name> --config spec.json`)."""
+
