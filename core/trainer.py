@@ -51,7 +51,6 @@ class Trainer:
         autocast_dtype: torch.dtype | None = None,
         dp_group: dist.ProcessGroup | None = None,
         grads_are_averaged: bool = False,
-        sync_grads: bool = False,
         stats_group: dist.ProcessGroup | None = None,
     ):
         """model: already parallelized (core.parallel.parallelize) and on its device.
@@ -60,9 +59,7 @@ class Trainer:
         grads_are_averaged: True when the DP wrapper (DDP, FSDP) averages gradients over ranks,
         so the token normalization must undo that division.
         stats_group: where MoE tokens_per_expert are summed; default dp_group (under tp, whose
-        ranks route shards of the tokens: mesh.group("dp_cp_tp")).
-        sync_grads: all-reduce (sum) gradients over dp_group at optim_step: plain data
-        parallelism for a model no wrapper shards (small models, LoRA adapters)."""
+        ranks route shards of the tokens: mesh.group("dp_cp_tp"))."""
         self.model = model
         self.cfg = optim
         self.total_steps = total_steps
@@ -84,7 +81,6 @@ class Trainer:
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.grads_are_averaged = grads_are_averaged
-        self.sync_grads = sync_grads and dp_group is not None and self.dp_size > 1
         self.stats_group = stats_group if stats_group is not None else dp_group
         self.step = 0
         self.skipped_steps = 0
@@ -129,12 +125,6 @@ class Trainer:
         if self.dp_group is not None:
             all_reduce(totals, group=self.dp_group, name="trainer/tokens_loss")
         tokens, loss_sum = totals.tolist()
-        if self.sync_grads:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all gradients
-            all_reduce(flat, group=self.dp_group, name="trainer/grads")
-            for p, g in zip(self.params, flat.split([g.numel() for g in grads])):
-                p.grad = g.view_as(p)
         scale = (self.dp_size if self.grads_are_averaged else 1.0) / max(tokens, 1.0)
         for p in self.params:
             if p.grad is not None:

@@ -42,6 +42,7 @@ from core.loop import fit  # noqa: E402
 from core.losses import chunked_cross_entropy, num_target_tokens  # noqa: E402
 from core.model import build_model, get_preset  # noqa: E402
 from core.reliability import Reliability  # noqa: E402
+from core.reliability import all_reduce  # noqa: E402
 from core.trainer import LossOutput, Trainer  # noqa: E402
 
 SEQ, BATCH, UNITS, VOCAB = 24, 2, 64, 512
@@ -125,12 +126,27 @@ def make_objective(faults: Faults | None = None):
     return objective
 
 
+class ReplicatedTrainer(Trainer):
+    """Plain data parallelism with no wrapper: each step first sums the gradients over the ranks in
+    one collective that the flight recorder sees ('trainer/grads'), then steps as usual (the
+    token-count normalization makes the sum the global mean)."""
+
+    def optim_step(self, skip_if=None):
+        if self.dp_group is not None and self.dp_size > 1:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            all_reduce(flat, group=self.dp_group, name="trainer/grads")
+            for p, g in zip(self.params, flat.split([g.numel() for g in grads])):
+                p.grad = g.view_as(p)
+        return super().optim_step(skip_if)
+
+
 def make_trainer(steps: int, seed: int = 0, lr: float = 3e-3) -> Trainer:
     torch.manual_seed(seed)
     model = build_model(get_preset("debug"), seed=seed)
     world = dist.get_world_size() if dist.is_initialized() else 1
     optim = OptimConfig(lr=lr, warmup_steps=2, schedule="cosine", max_grad_norm=1.0)
-    return Trainer(model, optim, steps, dp_group=dist.group.WORLD if world > 1 else None, sync_grads=True)
+    return ReplicatedTrainer(model, optim, steps, dp_group=dist.group.WORLD if world > 1 else None)
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -117,7 +117,7 @@ def test_hung_rank_is_detected_dumped_and_ended(tmp_path):
     c0 = json.loads((session / "collectives-rank00000.json").read_text())
     c1 = json.loads((session / "collectives-rank00001.json").read_text())
     waiting = c0["recorded"][-1]
-    assert (waiting["name"], waiting["step"], waiting["end"]) == ("trainer/tokens_loss", 3, None)
+    assert (waiting["name"], waiting["step"], waiting["end"]) == ("trainer/grads", 3, None)
     assert all(r["end"] is not None for r in c1["recorded"]) and c1["recorded"][-1]["seq"] == waiting["seq"] - 1
     fr = c0["torch_flight_recorder"]  # torch's own trace, on gloo
     assert isinstance(fr, dict) and any(e["profiling_name"] == "gloo:all_reduce" for e in fr["entries"])
