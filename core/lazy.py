@@ -10,16 +10,25 @@ loads) import without torch, while `from core.model import Transformer` still wo
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from typing import Any, Callable
 
 
 def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
-    """(__getattr__, __dir__, __all__) for `package`: name -> the module defining it."""
+    """(__getattr__, __dir__, __all__) for `package`: name -> the module defining it. An exported
+    name may not also be a submodule's (importing the submodule would bind the package attribute
+    to the module instead)."""
+    clash = [n for n in exports if importlib.util.find_spec(f"{package}.{n}") is not None]
+    if clash:
+        raise ImportError(f"{package}: exported names {clash} are also submodules; rename one")
 
     def __getattr__(name: str) -> Any:
         if name not in exports:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(exports[name]), name)
+        value = getattr(importlib.import_module(exports[name]), name)
+        setattr(sys.modules[package], name, value)  # later lookups skip __getattr__
+        return value
 
     def __dir__() -> list[str]:
         return sorted(exports)

@@ -2,7 +2,7 @@
 to stage manifests, stages cached by the content hashes of their inputs and config, retried with
 backoff, and tracked as one MLflow parent run with a child run per stage.
 
-The flow never imports torch: each stage runs as its own torchrun job (stages/launch.py), which
+The flow never imports torch: each stage runs as its own torchrun job (stages/launch/), which
 is also what makes cancellation clean (the launcher kills the job's process group).
 """
 

@@ -27,6 +27,8 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 from tokenizers import processors
 
+from core.atomic import write_text_atomic
+
 Message = dict[str, Any]
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names templates see as variables (`bos_token`, ...).
@@ -129,13 +131,6 @@ def _load_chat_templates(path: Path, config: dict) -> tuple[dict[str, str], str]
     for extra in sorted((path / "chat_templates").glob("*.jinja")):
         templates[extra.stem] = extra.read_text(encoding="utf-8")
     return templates, origin
-
-
-def _write_text(path: Path, text: str) -> None:
-    # write-then-rename: a crash never leaves a half-written file under the final name
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -407,7 +402,7 @@ class Tokenizer:
         """Write tokenizer.json and tokenizer_config.json (chat template inside) for AutoTokenizer."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        _write_text(path / "tokenizer.json", self.backend.to_str(pretty=True))
+        write_text_atomic(path / "tokenizer.json", self.backend.to_str(pretty=True))
         config = {k: v for k, v in self.config.items() if k != "chat_template"}
         config.update(self.special_tokens)
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
@@ -415,7 +410,7 @@ class Tokenizer:
             config["chat_template"] = self.chat_templates["default"]
         elif self.chat_templates:
             config["chat_template"] = [{"name": n, "template": t} for n, t in self.chat_templates.items()]
-        _write_text(path / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        write_text_atomic(path / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         # A standalone template file there would shadow the config's; keep it in step instead.
         if (path / "chat_template.jinja").is_file() and self.chat_template is not None:
-            _write_text(path / "chat_template.jinja", self.chat_template)
+            write_text_atomic(path / "chat_template.jinja", self.chat_template)

@@ -171,3 +171,26 @@ def test_no_long_product_file_without_a_reason():
                                            ("core/data/__init__.py", "core.data")])
 def test_module_names(path, expected):
     assert module_name(ROOT / path) == expected
+
+
+LAZY = ("core.model", "core.parallel", "core.data", "core.lora", "core.checkpoint", "core.reliability")
+
+
+@pytest.mark.parametrize("package", LAZY)
+def test_lazy_packages_export_what_they_list(package):
+    """Every name a lazily exporting package lists resolves to the object (not a same-named
+    submodule), also after that submodule was imported directly."""
+    import importlib
+    import types
+
+    pkg = importlib.import_module(package)
+    for name in pkg.__all__:
+        value = getattr(pkg, name)
+        assert not isinstance(value, types.ModuleType), f"{package}.{name} is a module"
+
+
+def test_lazy_exports_refuse_a_name_that_is_also_a_submodule():
+    from core.lazy import lazy_exports
+
+    with pytest.raises(ImportError, match=r"\['apply'\] are also submodules"):
+        lazy_exports("core.parallel", {"apply": "core.parallel.apply"})

@@ -17,7 +17,7 @@ from data_fixtures import conv, data_config, make_tokenizer, sft_rows, write_jso
 from core import losses as L
 from core.data import (
     BatchSampler, DataError, Document, assign_split, build_loader, collate_padded, collate_padding_free,
-    collate_preference, content_hash, detect_format, load_data, load_documents, load_rows, pack, sequence_sums,
+    collate_preference, content_hash, detect_format, load_data, load_documents, pack, sequence_sums,
     split_key, validate_row,
 )
 from core.model import build_model, get_preset
@@ -98,6 +98,17 @@ def test_formats_detected_and_labelled(tmp_path, tok, row, fmt, reply):
     if reply:
         (doc,) = data["train"]
         assert runs(tok, doc) == [reply + "<|im_end|>"]
+
+
+def load_rows(path: str, format: str = "auto", on_bad_row: str = "error"):
+    """Validated, untokenized rows (what data prep's first pass sees): (task, rows, drops)."""
+    import dataclasses
+
+    from core.data import DropStats, for_each_example
+
+    rows, stats = [], DropStats()
+    task = for_each_example([path], format, on_bad_row, stats, lambda _, ex: rows.append(dataclasses.asdict(ex)))
+    return task, rows, stats.dropped
 
 
 def test_forced_format_reports_the_missing_field(tmp_path, tok):

@@ -6,7 +6,7 @@
     encode.py    chat-template tokenization, loss labels, truncation policy
     split.py     train/validation/test by a hash of each row's normalized content
     dataset.py   ExamplePipeline (dedup -> encode -> min length -> split), shared by load_data(cfg,
-                 tokenizer) and data prep; load_rows (validated, untokenized rows)
+                 tokenizer) and data prep
     prepared.py  data prep's Parquet + manifest, read back with the labels data prep computed
                  (read_documents, read_pairs; load_documents / load_pairs also take raw sources)
     packing.py   packing into max_seq_len rows, padding-free and padded collation, cu_seqlens
@@ -49,7 +49,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "load_data": "core.data.dataset",
     "load_documents": "core.data.prepared",
     "load_pairs": "core.data.prepared",
-    "load_rows": "core.data.dataset",
     "make_encoder": "core.data.dataset",
     "num_tokens": "core.data.encode",
     "open_sources": "core.data.sources",

@@ -9,8 +9,6 @@ its result to Parquet (core.data.prepared reads it back); core.data.loader batch
 
 from __future__ import annotations
 
-import dataclasses
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,18 +95,6 @@ def load_data(cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
     stats = DropStats()
     task = for_each_example(list(cfg.sources), cfg.format, cfg.on_bad_row, stats, add)
     return PreparedData(task, splits, stats, pad_id_of(tokenizer))
-
-
-def load_rows(paths: str | list[str], format: str = "auto", on_bad_row: str = "error"
-              ) -> tuple[str, list[dict], Counter]:
-    """Validated rows, untokenized, for data prep: (task "sft" | "preference", rows, drops by reason).
-    Rows come back in TRL's explicit form: {"messages"}, {"prompt", "completion"} or
-    {"prompt", "chosen", "rejected"} (implicit-prompt rows split), null fields dropped."""
-    rows: list[dict] = []
-    stats = DropStats()
-    task = for_each_example([paths] if isinstance(paths, str) else list(paths), format, on_bad_row, stats,
-                            lambda source, ex: rows.append(dataclasses.asdict(ex)))
-    return task, rows, stats.dropped
 
 
 def for_each_example(paths: list[str], want: str, on_bad_row: str, stats: DropStats,

@@ -4,7 +4,8 @@
     model = parallelize(model, parallel_config, mesh)              # TP/SP -> CP -> EP -> AC -> compile -> FSDP
     pipeline = parallelize_pipeline(model, parallel_config, mesh, loss_fn, device)   # when pp > 1
 
-Files: mesh (device mesh), mappings (collectives as autograd pairs), tensor (TP layers), plans
+Files: apply (parallelize, parallelize_pipeline: the layout applied in order), mesh (the process
+group and device mesh), mappings (collectives as autograd pairs), tensor (TP layers), plans
 (the TP plan as data), losses (vocab-parallel CE / log-probs / KL), expert (EP dispatch, token-
 sharded MoE), context (ring attention), pipeline (stages and schedules), data_parallel
 (DDP / FSDP2 / HSDP, activation checkpointing, compile), grad_norm (clipping across meshes),
@@ -22,10 +23,9 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "context_parallel_shard": "core.parallel.context",
     "context_parallel_unshard": "core.parallel.context",
     "full_state_dict": "core.parallel.checkpoint",
-    "grad_norm": "core.parallel.grad_norm",
     "init_distributed": "core.parallel.mesh",
-    "parallelize": "core.parallel.parallelize",
-    "parallelize_pipeline": "core.parallel.parallelize",
+    "parallelize": "core.parallel.apply",
+    "parallelize_pipeline": "core.parallel.apply",
     "reduce_moe_stats": "core.parallel.expert",
     "transformer_tp_plan": "core.parallel.plans",
     "vocab_parallel_cross_entropy": "core.parallel.losses",
