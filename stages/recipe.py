@@ -33,6 +33,7 @@ from core.loop import fit
 from core.model import Transformer
 from core.monitor import ThroughputMeter, flops_per_token
 from core.parallel import ParallelDims, ParallelMesh, parallelize
+from core.parallel.mesh import TorchrunEnv
 from core.parallel.data_parallel import apply_activation_checkpointing, apply_compile
 from core.reliability import Reliability
 from core.trainer import Objective, Trainer
@@ -80,8 +81,6 @@ class TrainingStage(Protocol):
 
 def run_training(stage: TrainingStage, cfg: TrainStageConfig) -> dict:
     """setup -> train -> finish; returns the manifest (rank 0) or {}."""
-    from core.parallel.mesh import TorchrunEnv
-
     try:  # the run opens first, so a stage that fails loading its model is a FAILED run too
         with stage_run(cfg, stage.name, TorchrunEnv.read().rank == 0) as run_:
             session = open_session(stage.name, cfg)
@@ -98,7 +97,8 @@ def run_training(stage: TrainingStage, cfg: TrainStageConfig) -> dict:
 
 def open_session(name: str, cfg: TrainStageConfig) -> Session:
     """Join the process group, load the policy (LoRA applied when enabled), check the tokenizer,
-    and apply cfg.parallel (validated against the world and the model before any group is made)."""
+    and apply cfg.parallel (checked against the world before the group is made, against the model
+    once it is loaded)."""
     from kernels.dispatch import set_mode
 
     set_mode(cfg.model.kernels)
@@ -125,6 +125,10 @@ def start_layout(cfg: TrainStageConfig) -> Dist:
         if getattr(p, key) > 1:
             raise StageError(f"parallel.{key}={getattr(p, key)}: the training stages support data parallelism "
                              f"(FSDP, DDP, HSDP) and tensor parallelism only; set parallel.{key}=1")
+    try:
+        ParallelDims.from_config(p, TorchrunEnv.read().world_size)  # before any group: ranks would wait
+    except ValueError as e:
+        raise StageError(f"parallel: {e}") from None
     return start_distributed(p, cfg.reliability.collective_timeout_s)
 
 
