@@ -37,7 +37,8 @@ from core.parallel.mesh import TorchrunEnv
 from core.parallel.data_parallel import apply_activation_checkpointing, apply_compile
 from core.reliability import Reliability
 from core.trainer import Objective, Trainer
-from stages.common import Dist, StageError, close_distributed, load_model, load_tokenizer, progress, stage_run
+from stages.common import (Dist, StageError, close_distributed, load_model, load_tokenizer, progress, stage_run,
+                           start_distributed)
 from stages.training import clear_checkpoints, export
 
 log = logging.getLogger("posttrain.recipe")
@@ -118,8 +119,6 @@ def open_session(name: str, cfg: TrainStageConfig) -> Session:
 
 def start_layout(cfg: TrainStageConfig) -> Dist:
     """The process group for cfg.parallel, after the checks that need no model."""
-    from stages.common import start_distributed
-
     p = cfg.parallel
     for key in ("pp", "cp", "ep"):
         if getattr(p, key) > 1:

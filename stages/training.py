@@ -44,16 +44,12 @@ def preference_pairs(sources: list[str], split: str, tok=None, cfg=None) -> list
     return load_pairs(sources, split, tok, cfg)
 
 
-def data_shard(d: Dist) -> tuple[int, int]:
-    return d.data_shard
-
-
 def doc_loader(docs: list[Document], data: DataConfig, d: Dist, epochs: int | None,
                evaluation: bool = False) -> StatefulLoader:
     """core.data.build_loader over documents: data.packing, micro_batch_size / batch_tokens.
     Training keeps ranks in lockstep (drop_last); evaluation sees every document once, and under a
     mesh every rank runs as many forwards (a short rank's filler batch is marked `padding`)."""
-    rank, world = data_shard(d)
+    rank, world = d.data_shard
     lockstep = evaluation and d.mesh is not None
     return build_loader(docs, data, rank=rank, world_size=world, num_epochs=epochs, evaluation=evaluation,
                         lockstep=lockstep)
@@ -61,7 +57,7 @@ def doc_loader(docs: list[Document], data: DataConfig, d: Dist, epochs: int | No
 
 def pair_loader(pairs: list[PreferencePair], cfg: TrainStageConfig, d: Dist, epochs: int | None,
                 extra: Callable[[list[int], dict], None] | None = None) -> StatefulLoader:
-    rank, world = data_shard(d)
+    rank, world = d.data_shard
     loader = build_loader(pairs, cfg.data, rank=rank, world_size=world, num_epochs=epochs)
     if extra is not None:
         collate = loader.collate
