@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
+from core.rewards import exact_match
+
 LETTERS = "abcdefghij"
 
 
@@ -85,10 +87,6 @@ def make_suite(n: int, seed: int = 0, tasks: tuple[str, ...] = tuple(TASKS)) -> 
     return [TASKS[tasks[i % len(tasks)]](rng) for i in range(n)]
 
 
-def normalize_answer(text: str) -> str:
-    return " ".join(text.strip().split())
-
-
 def verify(answer: str, completion: str) -> float:
     """1.0 when the completion is exactly the answer (whitespace-normalized), else 0.0."""
-    return float(normalize_answer(completion) == normalize_answer(answer))
+    return exact_match(answer, completion)

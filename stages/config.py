@@ -9,12 +9,12 @@ TrackingConfig (core.tracking), LauncherConfig (stages.launch.config)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from core.checkpoint.config import CheckpointConfig
-from core.config import ConfigModel
+from core.config import ConfigModel, Dtype
 from core.data.config import DataConfig
 from core.lora.config import LoRAConfig
 from core.model.config import ModelConfig
@@ -25,15 +25,22 @@ from core.tracking import TrackingConfig
 from stages.launch.config import LauncherConfig
 
 
-STAGES = ("data_prep", "sft_teacher", "sft_student", "distill", "dpo", "evaluate")
+KINDS = ("data_prep", "sft", "distill", "dpo", "evaluate")
+"""The stage kinds; kind `k` runs as `python -m stages.<k>` (a pipeline node names its kind)."""
 
 
-StageName = Literal["data_prep", "sft_teacher", "sft_student", "distill", "dpo", "evaluate"]
+def model_shorthand(v: Any) -> Any:
+    """`model: sft` (a node name, path or preset) means `model: {name_or_path: sft}`."""
+    return {"name_or_path": v} if isinstance(v, str) else v
 
 
-STAGE_MODULES = {"data_prep": "data_prep", "sft_teacher": "sft", "sft_student": "sft",
-                 "distill": "distill", "dpo": "dpo", "evaluate": "evaluate"}
-"""Pipeline stage name -> `stages.<module>` entry point that runs it."""
+def data_shorthand(v: Any) -> Any:
+    """`data: prep` or `data: [a.jsonl, b.jsonl]` means `data: {sources: [...]}`."""
+    if isinstance(v, str):
+        return {"sources": [v]}
+    if isinstance(v, list):
+        return {"sources": v}
+    return v
 
 
 def check_layout(parallel: ParallelConfig, launcher: LauncherConfig) -> None:
@@ -84,8 +91,7 @@ class DataPrepConfig(StageConfig):
 class TrainStageConfig(StageConfig):
     """What SFT, distillation and DPO share: the model being trained and the loop around it."""
 
-    init_from: StageName | None = Field(None, description="Stage whose output is the start model.")
-    model: ModelConfig = Field(ModelConfig(), description="The model being trained.")
+    model: ModelConfig = Field(ModelConfig(), description="The model being trained (in a pipeline: a node name).")
     lora: LoRAConfig = Field(LoRAConfig(), description="Adapters; disabled = full fine-tuning.")
     parallel: ParallelConfig = Field(ParallelConfig(), description="Mesh and parallelism.")
     optim: OptimConfig = Field(OptimConfig(), description="Optimizer and LR schedule.")
@@ -98,6 +104,9 @@ class TrainStageConfig(StageConfig):
     save: Literal["full", "adapter"] = Field(
         "full", description="Output all weights (LoRA merged in) or only the adapter (PEFT format).")
     export_merged: bool = Field(False, description="Also write an HF checkpoint for use elsewhere.")
+
+    _model = field_validator("model", mode="before")(model_shorthand)
+    _data = field_validator("data", mode="before")(data_shorthand)
 
     @model_validator(mode="after")
     def _check_train(self) -> TrainStageConfig:
@@ -113,10 +122,8 @@ class SFTConfig(TrainStageConfig):
 
 
 class DistillConfig(TrainStageConfig):
-    init_from: StageName | None = Field("sft_student", description="Stage whose output is the student.")
     model: ModelConfig = Field(ModelConfig(), description="The student (the model being trained).")
     teacher: ModelConfig = Field(ModelConfig(), description="The frozen teacher; same vocabulary.")
-    teacher_from: StageName | None = Field("sft_teacher", description="Stage whose output is the teacher.")
     data: DataConfig = Field(DataConfig(format="sft"), description="Prompts (and responses).")
     kind: Literal["forward_kl", "reverse_kl", "jsd"] = Field("forward_kl", description="Divergence.")
     temperature: float = Field(1.0, gt=0, description="Softmax temperature of both; loss scaled by T^2.")
@@ -128,6 +135,8 @@ class DistillConfig(TrainStageConfig):
     top_k: int | None = Field(None, gt=0, description="Teacher's top-k logits only (offline: required).")
     ce_weight: float = Field(0.0, ge=0, description="Weight of a hard-label cross-entropy term.")
 
+    _teacher = field_validator("teacher", mode="before")(model_shorthand)
+
     @model_validator(mode="after")
     def _check_distill(self) -> DistillConfig:
         if self.mode == "offline" and self.top_k is None:
@@ -136,7 +145,6 @@ class DistillConfig(TrainStageConfig):
 
 
 class DPOConfig(TrainStageConfig):
-    init_from: StageName | None = Field("distill", description="Stage whose output is the policy.")
     lora: LoRAConfig = Field(LoRAConfig(enabled=True), description="Adapters; the base is the reference.")
     optim: OptimConfig = Field(OptimConfig(lr=5e-5), description="Optimizer; DPO wants a small lr.")
     data: DataConfig = Field(DataConfig(format="preference"), description="Pairs, or prompts (on_policy).")
@@ -155,6 +163,14 @@ class DPOConfig(TrainStageConfig):
     num_samples: int = Field(4, ge=2, description="On-policy samples per prompt.")
     max_new_tokens: int = Field(64, gt=0, description="On-policy generation length.")
     gen_temperature: float = Field(1.0, gt=0, description="On-policy sampling temperature.")
+    reward: str = Field(
+        "exact_match", description="On-policy reward of a completion against the row's reference: 'exact_match', "
+                                   "'normalized_match', or a verifier 'module:function(prompt, completion, row) -> float'.")
+    reference_column: str = Field("answer", description="On-policy: the row field the reward compares against.")
+    judge: ModelConfig | None = Field(
+        None, description="On-policy: score completions by this model's mean log-likelihood instead of `reward`.")
+
+    _judge = field_validator("judge", mode="before")(model_shorthand)
 
     @model_validator(mode="after")
     def _check_dpo(self) -> DPOConfig:
@@ -169,28 +185,56 @@ class DPOConfig(TrainStageConfig):
         return self
 
 
+class SelectConfig(ConfigModel):
+    metric: str = Field("exact_match", description="Evaluation metric the best model is chosen by.")
+    mode: Literal["max", "min"] = Field("max", description="Higher or lower is better.")
+
+
+EVAL_METRICS = ("exact_match", "normalized_match", "reward", "pass@k", "perplexity", "preference_accuracy",
+                "win_rate")
+
+
 class EvalConfig(StageConfig):
-    init_from: StageName | None = Field("dpo", description="Stage whose output is evaluated.")
-    model: ModelConfig = Field(ModelConfig(), description="The model evaluated.")
-    compare_to: list[str] = Field(
-        ["sft_student", "distill"], description="Stages or model dirs evaluated alongside.")
+    models: list[str] = Field(
+        ["debug"], min_length=1, description="Models evaluated side by side (in a pipeline: node names), first = "
+                                             "the one win rates and deltas are measured for.")
+    dtype: Dtype = Field("float32", description="Dtype the models are loaded in.")
+    tokenizer: str | None = Field(None, description="Tokenizer dir; None = each model's (or data prep's).")
+    kernels: Literal["auto", "torch"] = Field("auto", description="As model.kernels of training stages.")
     parallel: ParallelConfig = Field(
         ParallelConfig(), description="Device, backend and data-parallel ranks the examples are split over "
                                       "(each holds the whole model: tp, pp, cp and ep stay 1).")
-    data: DataConfig = Field(DataConfig(), description="Evaluation data.")
-    split: Literal["validation", "test"] = Field("test", description="Split evaluated.")
+    data: DataConfig = Field(DataConfig(), description="Evaluation data: data prep's output or the user's files.")
+    split: Literal["validation", "test"] = Field(
+        "test", description="Split of data prep's output evaluated (a user's file is evaluated whole).")
+    metrics: list[Literal[EVAL_METRICS]] | None = Field(  # type: ignore[valid-type]
+        None, description="Metrics computed; None = every one the data and settings allow.")
+    reference_column: str = Field("answer", description="Row field generations are checked against.")
+    verifier: str | None = Field(
+        None, description="'module:function(prompt, completion, row) -> float': metric `reward` (mean score).")
+    pass_k: list[int] = Field([1], description="k of pass@k (unbiased estimator over num_samples samples).")
+    judge: str | None = Field(
+        None, description="Model judging win rates by its log-likelihood of each completion; None = the verifier "
+                          "(or exact match).")
+    group_by: str | None = Field("task", description="Row field metrics are also broken down by (if present).")
+    select: SelectConfig | None = Field(
+        None, description="Choose the best model by a metric; downstream nodes and the registry get it.")
     max_examples: int | None = Field(None, gt=0, description="At most this many examples; None = all.")
     max_new_tokens: int = Field(64, gt=0, description="Generation length.")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     num_samples: int = Field(1, ge=1, description="Samples per prompt (pass@k).")
     batch_size: int = Field(16, gt=0, description="Prompts per generation batch per rank.")
-    save_samples: bool = Field(True, description="Log generations as an artifact.")
+    save_samples: bool = Field(True, description="Log generations as an artifact and an MLflow table.")
+
+    _data = field_validator("data", mode="before")(data_shorthand)
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
         if self.num_samples > 1 and self.temperature == 0:
             raise ValueError("num_samples > 1 with temperature=0 repeats one greedy sample")
+        if max(self.pass_k, default=1) > self.num_samples:
+            raise ValueError(f"pass_k={self.pass_k} needs num_samples >= {max(self.pass_k)}")
         split = [f"parallel.{k}={getattr(self.parallel, k)}" for k in ("tp", "pp", "cp", "ep")
                  if getattr(self.parallel, k) > 1]
         if split:
