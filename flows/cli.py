@@ -1,12 +1,12 @@
 """The `posttrain` command line.
 
-    posttrain run CONFIG.yaml [--set a.b=c ...]     the whole pipeline once, with progress
+    posttrain run CONFIG.yaml [--set a.b=c ...]     the whole pipeline once (--dry-run: the plan only)
     posttrain stage NAME CONFIG.yaml [--set ...]    one stage (data_prep, sft, distill, dpo, evaluate)
     posttrain serve [CONFIG.yaml]                   Prefect deployments: on demand + cron retraining
     posttrain ui                                    prefect server + mlflow server on 127.0.0.1
     posttrain demo                                  the embedded default pipeline, end to end
     posttrain bench sft|kernels|all                 benchmarks, JSON out
-    posttrain config [CONFIG.yaml] [--set ...]      print the resolved configuration
+    posttrain config [CONFIG.yaml] [--set ...]      the resolved DAG and what is cached (--json, --convert OLD)
     posttrain generate MODEL "prompt" ...           sample from a preset, HF dir or stage output
 """
 
@@ -24,22 +24,54 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="override a config value by dotted path (repeatable)")
 
 
-def cmd_config(args) -> int:
-    from core.config import dump_config, load_config
+def _pipeline(args):
+    from core.config import load_config
     from flows.config import PipelineConfig
+    from flows.demo import DEMO_CONFIG
 
-    cfg = load_config(PipelineConfig, args.config, args.overrides)
-    print(json.dumps(dump_config(cfg), indent=2))
+    return load_config(PipelineConfig, args.config or DEMO_CONFIG, args.overrides)
+
+
+def print_plan(cfg) -> None:
+    """The resolved DAG: each node's kind, inputs, output dir and what a run would do with it."""
+    from flows.dag import PipelineDAG
+    from flows.pipeline import dry_run
+
+    dag = PipelineDAG(cfg)
+    rows = dry_run(dag)
+    width = max(len(n) for n in rows)
+    print(f"pipeline {cfg.name}: {len(rows)} nodes, {len(dag.edges)} edges (workspace {cfg.workspace})")
+    for name, r in rows.items():
+        ins = ", ".join(r["inputs"]) or "-"
+        print(f"  {name:<{width}}  {r['kind']:<9}  {r['status']:<6}  <- {ins}   -> {r['output_dir']}")
+    print("edges:")
+    for e in dag.edges:
+        print(f"  {e.src} -> {e.dst}  ({e.role}: {e.key})")
+
+
+def cmd_config(args) -> int:
+    from core.config import dump_config
+
+    if args.convert:
+        from flows.convert import convert_file
+
+        print(convert_file(args.convert), end="")
+        return 0
+    cfg = _pipeline(args)
+    if args.json:
+        print(json.dumps(dump_config(cfg), indent=2))
+    else:
+        print_plan(cfg)
     return 0
 
 
 def cmd_run(args) -> int:
     from flows.pipeline import run_pipeline
 
-    from core.config import load_config
-    from flows.config import PipelineConfig
-
-    cfg = load_config(PipelineConfig, args.config, args.overrides)
+    cfg = _pipeline(args)
+    if args.dry_run:
+        print_plan(cfg)
+        return 0
     result = run_pipeline(cfg)
     return 0 if result.ok else 1
 
@@ -146,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("run", help="run the pipeline once")
+    p = sub.add_parser("run", help="run the pipeline once (default: configs/demo.yaml)")
     _add_config_args(p, required=False)
+    p.add_argument("--dry-run", action="store_true", help="print the DAG and what would run, then exit")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("stage", help="run one stage under its launcher")
@@ -175,8 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("extra", nargs=argparse.REMAINDER, help="passed to the benchmark script")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("config", help="print the resolved pipeline configuration")
+    p = sub.add_parser("config", help="print the resolved DAG (nodes, edges, cached or to run)")
     _add_config_args(p, required=False)
+    p.add_argument("--json", action="store_true", help="print the whole resolved configuration as JSON")
+    p.add_argument("--convert", metavar="OLD.yaml", help="print an old fixed-chain config in the DAG format")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("generate", help="sample completions from a model")

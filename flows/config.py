@@ -1,44 +1,147 @@
-"""PipelineConfig: the whole pipeline the flow runs (which stages, each stage's config, and
-the launcher and tracking they share); flows.dag turns it into edges and stage specs."""
+"""PipelineConfig: a DAG of nodes the user writes, plus the launcher, tracking, registry and
+resources they share. flows.dag expands and wires it; flows.pipeline runs it.
+
+    nodes:
+      prep:    {kind: data_prep, synthetic_size: 3000}
+      teacher: {kind: sft, model: {name_or_path: debug, overrides: {...}}, data: prep}
+      student: {kind: sft, model: debug, data: prep, sweep: {lora.rank: [8, 16]}}
+      kd:      {kind: distill, model: student, teacher: teacher, data: prep}
+      dpo:     {kind: dpo, model: kd, data: prep, pairs: on_policy, rounds: 2}
+      eval:    {kind: evaluate, models: [student, kd, dpo], data: prep, select: {metric: exact_match}}
+
+A node is a stage of one `kind` with that kind's settings (stages/config.py) and names other nodes
+wherever it takes a model or data. `sweep` expands a node over the grid of the listed values
+(`name@rank=8`, ...), `rounds` (DPO) chains K copies, each starting from the one before
+(`name@r1` ... `name@rK`); flows.dag documents how references to expanded nodes resolve.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from core.config import ConfigModel, ensure_within
 from core.tracking import TrackingConfig
 from registry.mlflow_registry import RegistryConfig
-from stages.config import STAGES, DataPrepConfig, DistillConfig, DPOConfig, EvalConfig, SFTConfig, check_layout
+from stages.config import KINDS, DataPrepConfig, DistillConfig, DPOConfig, EvalConfig, SFTConfig, StageConfig
 from stages.launch.config import LauncherConfig
 
+NODE_NAME = r"^[A-Za-z][A-Za-z0-9_-]*$"
+_NODE_FIELDS = ("kind", "sweep", "rounds")
 
-class StagesEnabled(ConfigModel):
-    data_prep: bool = Field(True, description="Tokenizer, synthetic suite, splits.")
-    sft_teacher: bool = Field(True, description="Fine-tune the teacher.")
-    sft_student: bool = Field(True, description="Fine-tune the student.")
-    distill: bool = Field(True, description="Distill the teacher into the student.")
-    dpo: bool = Field(True, description="Preference-optimize the student.")
-    evaluate: bool = Field(True, description="Evaluate and compare; gates promotion.")
+
+class _NodeOptions(ConfigModel):
+    sweep: dict[str, list[Any]] = Field(
+        {}, description="Expand over the grid of these dotted keys' values, e.g. {lora.rank: [8, 16, 32]}.")
+
+
+class DataPrepNode(DataPrepConfig, _NodeOptions):
+    kind: Literal["data_prep"] = Field("data_prep", description="Tokenizer, data import or synthetic suite, splits.")
+
+
+class SFTNode(SFTConfig, _NodeOptions):
+    kind: Literal["sft"] = Field("sft", description="Supervised fine-tuning.")
+
+
+class DistillNode(DistillConfig, _NodeOptions):
+    kind: Literal["distill"] = Field("distill", description="Teacher -> student distillation.")
+
+
+class DPONode(DPOConfig, _NodeOptions):
+    kind: Literal["dpo"] = Field("dpo", description="Preference optimization.")
+    rounds: int = Field(1, ge=1, le=100, description="Iterative DPO: K rounds, round k starting from (and, "
+                                                     "on-policy, sampling with) round k-1's policy.")
+
+
+class EvalNode(EvalConfig, _NodeOptions):
+    kind: Literal["evaluate"] = Field("evaluate", description="Evaluate models side by side (and pick the best).")
+
+
+NODE_CLASSES: dict[str, type[StageConfig]] = {
+    "data_prep": DataPrepNode, "sft": SFTNode, "distill": DistillNode, "dpo": DPONode, "evaluate": EvalNode}
+Node = Annotated[Union[DataPrepNode, SFTNode, DistillNode, DPONode, EvalNode], Field(discriminator="kind")]
+
+
+def stage_spec(node: StageConfig) -> StageConfig:
+    """The stage config a node runs: the node minus its node-only fields (kind, sweep, rounds)."""
+    from stages.config import STAGE_CONFIGS
+
+    data = node.model_dump(exclude=set(_NODE_FIELDS))
+    return STAGE_CONFIGS[node.kind].model_validate(data)  # type: ignore[attr-defined]
+
+
+def node_error(name: str, cls: type, e: ValidationError) -> str:
+    """The node's validation errors with `nodes.<name>.` in front of each key path."""
+    from core.config import _format
+
+    return "\n".join(f"nodes.{name}.{line}" if not line.startswith(" ") else line
+                     for line in _format(cls, e, "", []).splitlines())
+
+
+_LEGACY = ("stages", "data_prep", "sft_teacher", "sft_student", "distill", "dpo", "evaluate")
+
+
+class ResourcesConfig(ConfigModel):
+    gpus: int | None = Field(None, ge=0, description="GPUs nodes are assigned from (CUDA_VISIBLE_DEVICES, "
+                                                     "disjoint per node); None = those visible to the flow.")
+    cpu_slots: int | None = Field(None, ge=1, description="Ranks CPU nodes may run at once; None = the CPU count.")
+    share_gpus: bool = Field(False, description="Let concurrent nodes share GPUs (otherwise they queue).")
 
 
 class PipelineConfig(ConfigModel):
     name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Run dir name.")
-    workspace: str = Field("runs", description="Root of all stage outputs.")
-    stages: StagesEnabled = Field(StagesEnabled(), description="Which stages run.")
-    data_prep: DataPrepConfig = Field(DataPrepConfig(), description="Data preparation.")
-    sft_teacher: SFTConfig = Field(SFTConfig(), description="SFT of the teacher.")
-    sft_student: SFTConfig = Field(SFTConfig(), description="SFT of the student.")
-    distill: DistillConfig = Field(DistillConfig(), description="Teacher -> student distillation.")
-    dpo: DPOConfig = Field(DPOConfig(), description="Preference optimization.")
-    evaluate: EvalConfig = Field(EvalConfig(), description="Evaluation.")
-    tracking: TrackingConfig = Field(TrackingConfig(), description="MLflow, unless a stage sets its own.")
-    launcher: LauncherConfig = Field(LauncherConfig(), description="Launcher, unless a stage sets its own.")
+    workspace: str = Field("runs", description="Root of all node outputs: <workspace>/<name>/<node>.")
+    nodes: dict[str, Node] = Field(description="The DAG: node name -> a stage of a kind, with its settings.")
+    tracking: TrackingConfig = Field(TrackingConfig(), description="MLflow, unless a node sets its own.")
+    launcher: LauncherConfig = Field(LauncherConfig(), description="Launcher, unless a node sets its own.")
     registry: RegistryConfig = Field(RegistryConfig(), description="Model registry and promotion.")
+    resources: ResourcesConfig = Field(ResourcesConfig(), description="Devices concurrent nodes share.")
+    lock_wait_s: float = Field(
+        0.0, ge=0, description="How long a node waits for another run holding its output dir; 0 = fail at once.")
     schedule: str | None = Field("0 3 * * 1", description="Deployment cron (Mon 03:00); None = manual.")
-    stage_retries: int = Field(2, ge=0, description="Retries of a failed stage (it resumes from its checkpoint).")
+    stage_retries: int = Field(2, ge=0, description="Retries of a failed node (it resumes from its checkpoint).")
     retry_delay_s: float = Field(10.0, ge=0, description="First retry delay; each next one is 3x longer.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nodes_first(cls, data: Any) -> Any:
+        """Old `stages:`-style configs get a message saying how to convert; each node is validated on
+        its own first, so every message names the node and the key path (nodes.kd.lora.rank)."""
+        if not isinstance(data, dict):
+            return data
+        legacy = [k for k in _LEGACY if k in data]
+        if legacy:
+            raise ValueError(f"{', '.join(legacy)}: this is the old fixed-chain format; pipelines are now a DAG "
+                             "under `nodes:` (see configs/demo.yaml). Convert it with "
+                             "`posttrain config --convert OLD.yaml > NEW.yaml`")
+        nodes = data.get("nodes")
+        if not isinstance(nodes, dict):
+            return data
+        if not nodes:
+            raise ValueError("nodes: the pipeline has no nodes")
+        errors = []
+        for name, node in nodes.items():
+            if not isinstance(name, str) or not re.match(NODE_NAME, name):
+                errors.append(f"nodes.{name}: node names are letters, digits, '_' and '-', starting with a letter")
+                continue
+            if not isinstance(node, dict):
+                errors.append(f"nodes.{name}: expected a mapping with a `kind`, got {type(node).__name__}")
+                continue
+            kind = node.get("kind")
+            if kind not in NODE_CLASSES:
+                errors.append(f"nodes.{name}.kind: {'missing' if kind is None else repr(kind)}; "
+                              f"one of {', '.join(KINDS)}")
+                continue
+            try:
+                NODE_CLASSES[kind].model_validate(node)
+            except ValidationError as e:
+                errors.append(node_error(name, NODE_CLASSES[kind], e))
+        if errors:
+            raise ValueError("\n".join(errors))
+        return data
 
     @field_validator("workspace")
     @classmethod
@@ -57,42 +160,20 @@ class PipelineConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
-        if not self.enabled_stages():
-            raise ValueError("stages: every stage is disabled")
-        dirs: dict[Path, str] = {}
-        for i, s in enumerate(STAGES):
-            cfg = getattr(self, s)
-            for ref in ("init_from", "teacher_from"):
-                if (up := getattr(cfg, ref, None)) is not None and STAGES.index(up) >= i:
-                    raise ValueError(f"{s}.{ref}: {up!r} does not run before {s!r}")
-            if (d := self.stage_dir(s)) in dirs:  # stage_dir raises if output_dir escapes
-                raise ValueError(f"{s}.output_dir: same directory as {dirs[d]}.output_dir")
-            dirs[d] = s
-            data = getattr(cfg, "data", None)
-            enabled = getattr(self.stages, s)
-            if enabled and hasattr(cfg, "parallel") and cfg.launcher is None:
-                try:
-                    check_layout(cfg.parallel, self.launcher)
-                except ValueError as e:
-                    raise ValueError(f"{s}.{e}") from None
-            if data is not None and not data.sources and enabled and not self.stages.data_prep:
-                raise ValueError(f"{s}.data.sources is empty and stages.data_prep is disabled")
+        from flows.dag import PipelineDAG
+
+        PipelineDAG(self)  # expansion, references, types, cycles, layouts, files: ValueError naming the node
         return self
 
     @property
     def run_dir(self) -> Path:
         return Path(self.workspace) / self.name
 
-    def stage_dir(self, name: str) -> Path:
-        """The output dir of stage `name`; ValueError if a custom one escapes the workspace."""
-        custom = getattr(self, name).output_dir
+    def node_dir(self, name: str, custom: str | None = None) -> Path:
+        """The output dir of node `name`; ValueError if a custom one escapes the workspace."""
         if custom is None:
             return self.run_dir / name
         try:
             return ensure_within(self.workspace, Path(self.name) / custom)
         except ValueError as e:
-            raise ValueError(f"{name}.output_dir: {e} (the workspace)") from None
-
-    def enabled_stages(self) -> list[str]:
-        return [s for s in STAGES if getattr(self.stages, s)]
-
+            raise ValueError(f"nodes.{name}.output_dir: {e} (the workspace)") from None

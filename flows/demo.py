@@ -34,16 +34,17 @@ def main(overrides: list[str] | None = None) -> int:
     for row in stage_table(result.stages):
         table.add_row(row["stage"], row["metric"], _fmt(row["before"]), _fmt(row["after"]), str(row["cached"]))
     console.print(table)
-    ev = result.stages.get("evaluate")
-    if ev is not None:
-        import json
+    from flows.report import eval_results
 
-        per_model = json.loads((Path(ev.output_dir) / "results.json").read_text())["results"]
-        t = Table(title="evaluation (test split)")
+    for name, ev in result.stages.items():
+        if ev.kind != "evaluate":
+            continue
+        per_model = eval_results(ev)
+        t = Table(title=f"{name} (test split)")
         for col in ("model", "exact_match", "perplexity"):
             t.add_column(col)
-        for name, m in per_model.items():
-            t.add_row(name, _fmt(m.get("exact_match")), _fmt(m.get("perplexity")))
+        for model, m in per_model.items():
+            t.add_row(model, _fmt(m.get("exact_match")), _fmt(m.get("perplexity")))
         console.print(t)
     if result.registered:
         r = result.registered

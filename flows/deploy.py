@@ -34,5 +34,7 @@ def serve(config: str | Path | None = None, overrides: list[str] | None = None) 
     """Register the deployments with the Prefect API and execute their runs until interrupted."""
     from prefect import serve as prefect_serve
 
-    cfg = load_config(PipelineConfig, config, overrides or [])
+    from flows.demo import DEMO_CONFIG
+
+    cfg = load_config(PipelineConfig, config or DEMO_CONFIG, overrides or [])
     prefect_serve(*build_deployments(cfg))

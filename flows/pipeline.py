@@ -1,9 +1,11 @@
-"""The post-training pipeline as one Prefect flow: a task per stage, artifacts passed as paths
-to stage manifests, stages cached by the content hashes of their inputs and config, retried with
-backoff, and tracked as one MLflow parent run with a child run per stage.
+"""The post-training pipeline as one Prefect flow: a task per DAG node (flows.dag), named after
+the node; independent nodes run concurrently as far as the devices allow (flows.resources), each
+node's output directory locked while it runs (flows.workspace), nodes cached by the content
+hashes of their inputs and the settings that change their result, retried with backoff, and
+tracked as one MLflow parent run with a child run per node.
 
-The flow never imports torch: each stage runs as its own torchrun job (stages/launch/), which
-is also what makes cancellation clean (the launcher kills the job's process group).
+The flow never imports torch: each node runs as its own torchrun job (stages/launch/), which is
+also what makes cancellation clean (the launcher kills the job's process group).
 """
 
 from __future__ import annotations
@@ -20,33 +22,58 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from core.config import dump_config
-from flows.config import PipelineConfig
-from stages.config import STAGE_MODULES, StageConfig
 from core.manifest import MANIFEST, digest, is_stage_dir, read_manifest
-from flows.dag import PipelineDAG
+from flows.config import PipelineConfig
+from flows.dag import PipelineDAG, Upstream
+from stages.config import StageConfig
 
 KEY_FILE = ".posttrain-cache-key"
 
 log = logging.getLogger("posttrain.flow")
 
+# Settings that change how a node runs but not what it produces: they are left out of its cache
+# key, so changing them alone keeps the finished result, or resumes a crashed attempt from its
+# checkpoints (resharded to the new layout). Everything else counts. docs/pipelines.md lists both.
+NOT_IN_KEY = ("output_dir", "tracking", "launcher", "parallel", "checkpoint", "reliability", "kernels")
+NOT_IN_KEY_MODEL = ("kernels", "compile", "activation_checkpointing")
 
-def cache_key(spec: StageConfig, name: str, upstream: dict[str, str]) -> str:
-    """Digest of the stage's spec (minus what does not change its result) and of the content
-    digests of the manifests it reads."""
+
+def result_settings(spec: StageConfig) -> dict[str, Any]:
+    """The part of a spec that determines the node's result (what the cache key hashes)."""
     data = dump_config(spec)
-    data.pop("tracking", None)
-    data.pop("launcher", None)
-    return digest({"stage": name, "spec": data, "inputs": upstream})
+    for k in NOT_IN_KEY:
+        data.pop(k, None)
+    for section in ("model", "teacher", "judge"):
+        if isinstance(data.get(section), dict):
+            for k in NOT_IN_KEY_MODEL:
+                data[section].pop(k, None)
+    if isinstance(data.get("data"), dict):
+        data["data"].pop("sources", None)  # upstream nodes count by content digest, files below
+    return data
+
+
+def cache_key(spec: StageConfig, kind: str, inputs: dict[str, str]) -> str:
+    """Digest of the node's result settings and the content digests of what it reads (`inputs`:
+    reference key -> upstream digest, registry version, or a file's path)."""
+    return digest({"kind": kind, "spec": result_settings(spec), "inputs": inputs})
 
 
 @dataclass
 class StageResult:
-    stage: str
+    stage: str  # the node name
     output_dir: str
     cached: bool
     digest: str
+    kind: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
     mlflow_run_id: str | None = None
+    selected: str | None = None  # an evaluate node's chosen model
+
+    @classmethod
+    def of(cls, name: str, kind: str, out: Path, cached: bool) -> StageResult:
+        m = read_manifest(out)
+        sel = (m.get("selected") or {}).get("model")
+        return cls(name, str(out), cached, m["digest"], kind, m.get("metrics", {}), m.get("mlflow_run_id"), sel)
 
 
 def _prepare_dir(out: Path, key: str) -> bool:
@@ -62,79 +89,183 @@ def _prepare_dir(out: Path, key: str) -> bool:
     return False
 
 
+def node_inputs(dag: PipelineDAG, name: str, upstream: dict[str, Upstream], fetched: dict[str, str]) -> dict[str, str]:
+    """What node `name`'s result depends on besides its settings: each upstream's content digest
+    (by the key that references it), each registry model's version, each named file's path."""
+    node = dag.nodes[name]
+    inputs: dict[str, str] = {}
+    for e in node.edges:
+        inputs[e.key] = inputs.get(e.key, "") + upstream[e.src].digest
+    inputs.update(fetched)
+    if node.kind == "data_prep":
+        inputs.update({f"sources[{i}]": _file_identity(s) for i, s in enumerate(node.cfg.sources)})
+    else:
+        inputs.update({f"data.sources[{i}]": _file_identity(s) for i, s in enumerate(node.cfg.data.sources)
+                       if s not in dag.members})
+    return inputs
+
+
+def _file_identity(path: str) -> str:
+    """A user's data file by content (sha256); a directory by its files' names, sizes and mtimes."""
+    from core.manifest import file_sha256
+
+    p = Path(path)
+    if p.is_file():
+        return f"{path} sha256:{file_sha256(p)}"
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
+    return digest([path] + [[str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+
+
+def plan_node(dag: PipelineDAG, name: str, upstream: dict[str, Upstream], fetch: bool = True):
+    """(spec, cache key) of node `name` given its finished upstream nodes; registry references are
+    fetched (fetch=False: named only, for dry runs)."""
+    node = dag.nodes[name]
+    external, fetched = {}, {}
+    for key, ref in node.external.items():
+        if fetch:
+            from registry.mlflow_registry import fetch_registered
+
+            local, version = fetch_registered(dag.cfg.tracking.tracking_uri, ref, dag.cfg.run_dir / ".registry")
+            external[key], fetched[key] = str(local), version
+        else:
+            external[key], fetched[key] = ref, ref
+    spec = dag.spec(name, upstream, external)
+    return spec, cache_key(spec, node.kind, node_inputs(dag, name, upstream, fetched))
+
+
+def _devices(dag: PipelineDAG, name: str, spec: StageConfig):
+    from flows.resources import needs, visible_gpus
+
+    res = dag.cfg.resources
+    gpus = visible_gpus() if res.gpus is None else res.gpus
+    device = getattr(getattr(spec, "parallel", None), "device", "cpu")
+    nproc = spec.launcher.nproc_per_node if dag.kind(name) != "data_prep" else 1
+    return needs(device, nproc, spec.launcher.kind, gpus), gpus
+
+
 @task(cache_policy=NO_CACHE, log_prints=True, task_run_name="{name}")
-def run_stage(spec: StageConfig, name: str, upstream: dict[str, str], parent_run_id: str | None) -> StageResult:
-    """Launch stage `name` with its resolved `spec` unless its cached result is current; returns
-    its manifest summary. `upstream`: the content digests of the stages it reads."""
+def run_node(dag: PipelineDAG, name: str, upstream: dict[str, StageResult], parent_run_id: str | None,
+             pool_id: str) -> StageResult:
+    """Launch node `name` unless its cached result is current; returns its manifest summary.
+    `upstream`: the finished nodes it reads (Prefect resolves their futures first)."""
+    import os
+
+    from flows.resources import pool_for
+    from flows.workspace import node_lock
     from stages.launch import launch_stage
 
     logger = get_run_logger()
+    ups = {k: Upstream(r.output_dir, r.digest, r.selected) for k, r in upstream.items()}
+    kind = dag.kind(name)
+    spec, key = plan_node(dag, name, ups)
     out = Path(spec.output_dir)
-    key = cache_key(spec, name, upstream)
-    if _prepare_dir(out, key):
-        m = read_manifest(out)
-        logger.info("%s: inputs and config unchanged, using %s (cached)", name, out)
-        return StageResult(name, str(out), True, m["digest"], m.get("metrics", {}), m.get("mlflow_run_id"))
-    if (out / MANIFEST).exists():
-        (out / MANIFEST).unlink()
-    env = {"POSTTRAIN_RUN_NAME": name}
-    if parent_run_id:
-        env["POSTTRAIN_PARENT_RUN_ID"] = parent_run_id
-    ctx = get_run_context()
-    env["POSTTRAIN_PREFECT_FLOW_RUN_ID"] = str(getattr(ctx.task_run, "flow_run_id", "") or "")
-    result = launch_stage(STAGE_MODULES[name], spec, spec.launcher, workdir=out.parent / ".launch" / name,
-                          env=env, on_output=lambda line: logger.info("%s | %s", name, line.rstrip()))
-    if not result.ok:
-        tail = "".join(Path(result.log_file).read_text().splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"stage {name} failed with exit code {result.returncode}; log {result.log_file}:\n{tail}")
-    m = read_manifest(out)
-    logger.info("%s: done in %.1fs: %s", name, result.wall_time_s, json.dumps(m.get("metrics", {}))[:500])
-    return StageResult(name, str(out), False, m["digest"], m.get("metrics", {}), m.get("mlflow_run_id"))
+    with node_lock(dag.cfg.run_dir, name, dag.cfg.lock_wait_s, owner=pool_id):
+        if _prepare_dir(out, key):
+            logger.info("%s: inputs and settings unchanged, using %s (cached)", name, out)
+            return StageResult.of(name, kind, out, True)
+        if (out / MANIFEST).exists():
+            (out / MANIFEST).unlink()
+        env = {"POSTTRAIN_RUN_NAME": name, **({"POSTTRAIN_PARENT_RUN_ID": parent_run_id} if parent_run_id else {})}
+        ctx = get_run_context()
+        env["POSTTRAIN_PREFECT_FLOW_RUN_ID"] = str(getattr(ctx.task_run, "flow_run_id", "") or "")
+        need, gpus = _devices(dag, name, spec)
+        res = dag.cfg.resources
+        pool = pool_for(pool_id, gpus, res.cpu_slots or os.cpu_count() or 1, res.share_gpus)
+        lease = pool.lease(*need, node=name) if need else _no_lease()
+        with lease as ids:
+            if need and need[0] == "gpu":
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
+            logger.info("%s: %s", name, f"on {need[0]} {ids}" if need else "placed by its scheduler")
+            result = launch_stage(kind, spec, spec.launcher, workdir=out.parent / ".launch" / name, env=env,
+                                  on_output=lambda line: logger.info("%s | %s", name, line.rstrip()))
+        if not result.ok:
+            tail = "".join(Path(result.log_file).read_text().splitlines(keepends=True)[-30:])
+            raise RuntimeError(f"node {name} failed with exit code {result.returncode}; log {result.log_file}:\n{tail}")
+        r = StageResult.of(name, kind, out, False)
+        logger.info("%s: done in %.1fs: %s", name, result.wall_time_s, json.dumps(r.metrics)[:500])
+        return r
+
+
+class _no_lease:
+    def __enter__(self):
+        return []
+
+    def __exit__(self, *exc):
+        return False
 
 
 @dataclass
 class PipelineResult:
     ok: bool
-    stages: dict[str, StageResult]
+    stages: dict[str, StageResult]  # by node name, in DAG order
     parent_run_id: str | None
     registered: dict[str, Any] | None = None
 
 
+def check_resources(dag: PipelineDAG) -> None:
+    """Every node fits the devices (else ValueError before anything launches)."""
+    import os
+
+    from flows.resources import DevicePool
+
+    res = dag.cfg.resources
+    for name in dag.order:
+        spec = dag.spec(name, {u: Upstream("", "") for u in dag.inputs(name)}, {k: v for k, v in dag.nodes[name].external.items()})
+        need, gpus = _devices(dag, name, spec)
+        if need:
+            DevicePool(gpus, res.cpu_slots or os.cpu_count() or 1).check(*need, node=name)
+
+
 @flow(name="post_training", log_prints=True)
 def post_training(config: PipelineConfig) -> PipelineResult:
-    """data prep -> SFT teacher || SFT student -> distillation -> DPO -> evaluation -> registry."""
+    """The user's DAG of nodes (flows.dag), then the registry."""
     from core.tracking import create_tracker
+    from flows.resources import release_pool
 
     logger = get_run_logger()
     cfg = config
+    dag = PipelineDAG(cfg)
+    check_resources(dag)
     ctx = get_run_context()
     flow_run_id = str(ctx.flow_run.id)
     parent = create_tracker(cfg.tracking, run_name=f"{cfg.name}", tags={
         "posttrain.pipeline": cfg.name, "prefect.flow_run_id": flow_run_id,
         "prefect.flow_run_name": str(ctx.flow_run.name)}, rank=0)
     parent.log_params(dump_config(cfg))
+    parent.log_dict(dag.describe(), "dag.json")
     parent.flush(timeout=60)  # creates the run: children need its id
     parent_id = getattr(parent, "run_id", None)
     futures: dict[str, Any] = {}
     results: dict[str, StageResult] = {}
     delays = [cfg.retry_delay_s * 3**i for i in range(cfg.stage_retries)]
-    stage_task = run_stage.with_options(retries=cfg.stage_retries, retry_delay_seconds=delays or 0)
-    dag = PipelineDAG(cfg)
+    node_task = run_node.with_options(retries=cfg.stage_retries, retry_delay_seconds=delays or 0)
     try:
-        for name in dag.nodes:  # in pipeline order, so every input is submitted before its readers
-            # Submit as soon as the inputs are known; independent stages (the two SFTs) overlap.
-            upstream = {d: futures[d].result().digest for d in dag.inputs(name)}
-            futures[name] = stage_task.submit(dag.spec(name), name, upstream, parent_id)
+        for name in dag.order:  # every input is submitted before its readers; Prefect waits on the futures
+            futures[name] = node_task.submit(dag, name, {u: futures[u] for u in dag.inputs(name)}, parent_id,
+                                             flow_run_id)
+        errors, failed = [], set()
         for name, fut in futures.items():
-            results[name] = fut.result()
+            bad = [u for u in dag.inputs(name) if u in failed]
+            if bad:
+                failed.add(name)
+                errors.append(f"{name}: not run, its input {', '.join(bad)} failed")
+                continue
+            try:
+                results[name] = fut.result()
+            except BaseException as e:  # noqa: BLE001 - report every failed node, then fail
+                failed.add(name)
+                errors.append(f"{name}: {e}")
+                continue
             parent.log_metrics({f"{name}/{k}": v for k, v in results[name].metrics.items()
                                 if isinstance(v, (int, float))}, step=0)
+        if errors:
+            raise RuntimeError("nodes failed:\n" + "\n".join(errors))
         registered = None
-        if "evaluate" in results and cfg.registry.enabled:
+        if cfg.registry.enabled and any(dag.kind(n) == "evaluate" for n in dag.order):
             from registry.mlflow_registry import register_and_promote
 
-            registered = register_and_promote(cfg.registry, cfg.tracking.tracking_uri, results, parent_id,
-                                              dag.upstream("evaluate"))
+            registered = register_and_promote(cfg.registry, cfg.tracking.tracking_uri, parent_id,
+                                              registry_source(dag, results))
             parent.log_dict(registered, "registry_decision.json")
         from flows.report import log_reports
 
@@ -146,8 +277,56 @@ def post_training(config: PipelineConfig) -> PipelineResult:
         parent.end("FAILED")
         logger.error("pipeline failed: %s", e)
         raise
+    finally:
+        release_pool(flow_run_id)
+
+
+def registry_source(dag: PipelineDAG, results: dict[str, StageResult]) -> dict[str, Any]:
+    """What the registry registers: the model the chosen evaluate node selected (or its first
+    model), with that model's evaluation metrics."""
+    evals = [n for n in dag.order if dag.kind(n) == "evaluate"]
+    name = dag.cfg.registry.evaluate
+    if name is not None:
+        targets = dag.members.get(name, [])
+        if len(targets) != 1 or dag.kind(targets[0]) != "evaluate":
+            raise ValueError(f"registry.evaluate: {name!r} is not an evaluate node ({', '.join(evals)})")
+        name = targets[0]
+    else:
+        name = evals[-1]
+    m = read_manifest(results[name].output_dir)
+    per_model = m.get("results", {})
+    if m.get("selected"):
+        model_path, model_name = m["selected"]["model"], m["selected"]["name"]
+    else:
+        model_name = next(iter(per_model))
+        model_path = (m.get("paths") or {}).get(model_name) or dag.spec(name, {u: Upstream(results[u].output_dir, results[u].digest, results[u].selected) for u in dag.inputs(name)}).models[0]
+    return {"evaluate": name, "model_dir": model_path, "model_name": model_name,
+            "metrics": per_model.get(model_name, {}), "lineage": {n: r.digest for n, r in results.items()}}
 
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
     """Run the flow once from the terminal (Prefect's local ephemeral API unless configured)."""
     return post_training(cfg)
+
+
+def dry_run(dag: PipelineDAG) -> dict[str, dict[str, Any]]:
+    """What a run would do, node by node, without launching: `cached` (its output holds this exact
+    result), `resume` (a crashed attempt with the same key left checkpoints), or `run`; a node
+    after one that runs is `run` too (its inputs are not known yet)."""
+    status: dict[str, dict[str, Any]] = {}
+    done: dict[str, Upstream] = {}
+    for name in dag.order:
+        row: dict[str, Any] = {"kind": dag.kind(name), "inputs": dag.inputs(name), "output_dir": str(dag.output_dir(name))}
+        if all(u in done for u in dag.inputs(name)):
+            spec, key = plan_node(dag, name, {u: done[u] for u in dag.inputs(name)}, fetch=False)
+            out = Path(spec.output_dir)
+            same = (out / KEY_FILE).exists() and (out / KEY_FILE).read_text() == key
+            row["status"] = "cached" if same and is_stage_dir(out) else "resume" if same else "run"
+            row["key"] = key[:12]
+            if row["status"] == "cached":
+                r = StageResult.of(name, dag.kind(name), out, True)
+                done[name] = Upstream(r.output_dir, r.digest, r.selected)
+        else:
+            row["status"] = "run"
+        status[name] = row
+    return status

@@ -24,7 +24,7 @@ def loss_curves(cfg, results: dict[str, Any]):
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
-    runs = {n: r.mlflow_run_id for n, r in results.items() if r.mlflow_run_id and n not in ("data_prep", "evaluate")}
+    runs = {n: r.mlflow_run_id for n, r in results.items() if r.mlflow_run_id and r.kind in ("sft", "distill", "dpo")}
     fig, axes = plt.subplots(1, max(len(runs), 1), figsize=(4.5 * max(len(runs), 1), 3.5), squeeze=False)
     for ax, (name, run_id) in zip(axes[0], runs.items()):
         for key in ("loss", "val/loss", "val/kl"):
@@ -38,15 +38,20 @@ def loss_curves(cfg, results: dict[str, Any]):
     return fig
 
 
-def eval_chart(results: dict[str, Any]):
+def eval_results(result) -> dict[str, dict[str, float]]:
+    """{model name: metrics} of an evaluate node's result."""
+    return json.loads((Path(result.output_dir) / "results.json").read_text())["results"]
+
+
+def eval_chart(result):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ev = results["evaluate"]
-    per_model = json.loads((Path(ev.output_dir) / "results.json").read_text())["results"]
-    metrics = ["exact_match", "perplexity"]
+    per_model = eval_results(result)
+    metrics = [m for m in ("exact_match", "preference_accuracy", "perplexity")
+               if any(m in v for v in per_model.values())]
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.5), squeeze=False)
     names = [n.split("/", 1)[-1] for n in per_model]
     for ax, metric in zip(axes[0], metrics):
@@ -58,16 +63,16 @@ def eval_chart(results: dict[str, Any]):
 
 
 def stage_table(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per stage: before -> after of the metric it is meant to move."""
+    """One row per node: before -> after of the metric its kind is meant to move."""
     rows = []
-    keys = {"sft_teacher": ("val/loss_initial", "val/loss"), "sft_student": ("val/loss_initial", "val/loss"),
-            "distill": ("val/kl_initial", "val/kl"), "dpo": ("val/accuracy_initial", "val/accuracy")}
+    keys = {"sft": ("val/loss_initial", "val/loss"), "distill": ("val/kl_initial", "val/kl"),
+            "dpo": ("val/accuracy_initial", "val/accuracy")}
     for name, r in results.items():
         m = r.metrics
-        if name in keys:
-            a, b = keys[name]
+        if r.kind in keys:
+            a, b = keys[r.kind]
             rows.append({"stage": name, "metric": b, "before": m.get(a), "after": m.get(b), "cached": r.cached})
-        elif name == "evaluate":
+        elif r.kind == "evaluate":
             rows.append({"stage": name, "metric": "exact_match", "before": None, "after": m.get("exact_match"),
                          "cached": r.cached})
         else:
@@ -81,7 +86,8 @@ def log_reports(cfg, results: dict[str, Any], parent) -> None:
     try:
         parent.log_dict(stage_table(results), "stage_table.json")
         parent.log_figure(loss_curves(cfg, results), "plots/loss_curves.png")
-        if "evaluate" in results:
-            parent.log_figure(eval_chart(results), "plots/eval_comparison.png")
+        for name, r in results.items():
+            if r.kind == "evaluate":
+                parent.log_figure(eval_chart(r), f"plots/eval_comparison_{name}.png")
     except Exception as e:  # noqa: BLE001
         log.warning("could not make the report plots: %s", e)

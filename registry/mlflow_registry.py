@@ -22,6 +22,8 @@ class RegistryConfig(ConfigModel):
     promote_metric: str = Field("exact_match", description="Evaluation metric gating candidate -> champion.")
     greater_is_better: bool = Field(True, description="Direction of promote_metric.")
     min_delta: float = Field(0.0, ge=0, description="Margin the candidate must beat the champion by.")
+    evaluate: str | None = Field(
+        None, description="Evaluate node whose selected (else first) model is registered; None = the last one.")
 
 
 def _client(tracking_uri: str):
@@ -53,23 +55,22 @@ def register_model(client, name: str, run_id: str, model_dir: Path, metric: str,
     return client.create_model_version(name, source, run_id=run_id, tags=tags)
 
 
-def register_and_promote(reg: RegistryConfig, tracking_uri: str, results: dict[str, Any],
-                         parent_run_id: str | None, evaluated: str | None) -> dict[str, Any]:
-    """Register the model the evaluation stage judged (the output of stage `evaluated`; `results`:
-    the pipeline's StageResults by stage) and gate `champion` on its metric."""
+def register_and_promote(reg: RegistryConfig, tracking_uri: str,
+                         parent_run_id: str | None, source: dict[str, Any]) -> dict[str, Any]:
+    """Register the model an evaluate node chose (`source`: its model_dir, model_name, metrics and
+    the pipeline's lineage, from flows.pipeline.registry_source) and gate `champion` on its metric."""
     if parent_run_id is None:
         raise RuntimeError("registry: no MLflow parent run to attach the model to")
-    if evaluated is None:
-        raise RuntimeError("registry: the evaluation stage has no upstream model stage")
-    model_dir = Path(results[evaluated].output_dir) / "model"
-    metrics = results["evaluate"].metrics
+    model_dir = Path(source["model_dir"])
+    model_dir = model_dir / "model" if (model_dir / "model").is_dir() else model_dir
+    metrics = source["metrics"]
     if reg.promote_metric not in metrics:
-        raise KeyError(f"registry.promote_metric {reg.promote_metric!r} is not an evaluation metric "
-                       f"(have {sorted(metrics)})")
+        raise KeyError(f"registry.promote_metric {reg.promote_metric!r} is not a metric evaluate node "
+                       f"{source['evaluate']!r} gave model {source['model_name']!r} (have {sorted(metrics)})")
     value = float(metrics[reg.promote_metric])
     client = _client(tracking_uri)
-    lineage = {name: r.digest for name, r in results.items()}
-    lineage["parent_run_id"] = parent_run_id
+    lineage = {**source["lineage"], "parent_run_id": parent_run_id, "evaluate": source["evaluate"],
+               "model": source["model_name"]}
     version = register_model(client, reg.model_name, parent_run_id, model_dir, reg.promote_metric, value, lineage)
     client.set_registered_model_alias(reg.model_name, "candidate", version.version)
 
@@ -84,7 +85,7 @@ def register_and_promote(reg: RegistryConfig, tracking_uri: str, results: dict[s
     if promote:
         client.set_registered_model_alias(reg.model_name, "champion", version.version)
     decision = {
-        "model_name": reg.model_name, "version": version.version, "metric": reg.promote_metric,
+        "model_name": reg.model_name, "version": version.version, "model": source["model_name"], "metric": reg.promote_metric,
         "candidate_value": value, "champion_version": champion_version, "champion_value": champion_value,
         "promoted": promote, "aliases": ["candidate", "champion"] if promote else ["candidate"],
     }
@@ -92,3 +93,28 @@ def register_and_promote(reg: RegistryConfig, tracking_uri: str, results: dict[s
                                  "champion" if promote else f"kept champion v{champion_version}")
     log.info("registry decision: %s", decision)
     return decision
+
+
+def fetch_registered(tracking_uri: str, ref: str, cache_root: Path) -> tuple[Path, str]:
+    """A local copy of registered model `ref` ('models:/name@alias' or 'models:/name/3') and its
+    identity ('name/v3 run <id>': what a cache key should depend on). Downloaded once per version."""
+    body = ref.removeprefix("models:/")
+    name, sep, alias = body.partition("@")
+    client = _client(tracking_uri)
+    try:
+        if sep:
+            mv = client.get_model_version_by_alias(name, alias)
+        else:
+            name, _, version = body.rpartition("/")
+            mv = client.get_model_version(name, version)
+    except Exception as e:  # noqa: BLE001 - MlflowException for unknown names, aliases, versions
+        raise RuntimeError(f"registry reference {ref!r}: {e}") from None
+    dest = Path(cache_root) / name / f"v{mv.version}"
+    if not (dest / ".complete").exists():
+        from mlflow.artifacts import download_artifacts
+
+        dest.mkdir(parents=True, exist_ok=True)
+        local = Path(download_artifacts(artifact_uri=mv.source, dst_path=str(dest), tracking_uri=tracking_uri))
+        (dest / ".path").write_text(str(local))
+        (dest / ".complete").write_text("")
+    return Path((dest / ".path").read_text()), f"{name}/v{mv.version} run {mv.run_id}"

@@ -125,7 +125,7 @@ class DistillConfig(TrainStageConfig):
     model: ModelConfig = Field(ModelConfig(), description="The student (the model being trained).")
     teacher: ModelConfig = Field(ModelConfig(), description="The frozen teacher; same vocabulary.")
     data: DataConfig = Field(DataConfig(format="sft"), description="Prompts (and responses).")
-    kind: Literal["forward_kl", "reverse_kl", "jsd"] = Field("forward_kl", description="Divergence.")
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = Field("forward_kl", description="Divergence minimized.")
     temperature: float = Field(1.0, gt=0, description="Softmax temperature of both; loss scaled by T^2.")
     jsd_beta: float = Field(0.5, ge=0, le=1, description="Generalized JSD weight (0 fwd KL, 1 rev KL).")
     mode: Literal["online", "on_policy", "offline"] = Field(

@@ -137,7 +137,7 @@ def offline_objective(cfg: DistillConfig, topk: dict[str, torch.Tensor]) -> Any:
 
         def head(h, w):
             logits = h.reshape(-1, h.shape[-1])[sel] @ w.T  # only the positions that are trained
-            loss = distill_loss_topk(logits, t_ids[sel], t_lp[sel], kind=cfg.kind, temperature=cfg.temperature,
+            loss = distill_loss_topk(logits, t_ids[sel], t_lp[sel], kind=cfg.divergence, temperature=cfg.temperature,
                                      beta=cfg.jsd_beta, reduction="sum")
             if cfg.ce_weight:
                 loss = loss + cfg.ce_weight * chunked_cross_entropy(h, w, labels, reduction="sum")
@@ -165,7 +165,7 @@ class Distill:
         train_docs = sft_documents(cfg.data.sources, "train", tok, cfg.data)
         val_docs = sft_documents(cfg.data.sources, "validation", tok, cfg.data)
         base = doc_loader(train_docs, cfg.data, d, epochs=cfg.epochs)
-        online = distill_objective(timed, cfg.kind, cfg.temperature, cfg.jsd_beta, cfg.ce_weight)
+        online = distill_objective(timed, cfg.divergence, cfg.temperature, cfg.jsd_beta, cfg.ce_weight)
         teacher_id = (teacher_manifest or {}).get("digest", cfg.teacher.name_or_path)
         if cfg.mode == "offline":  # before training: not part of the step time
             topk = teacher_topk(teacher, train_docs, cfg.top_k, s.out / "teacher_cache", teacher_id, d)
