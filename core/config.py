@@ -19,12 +19,13 @@ Every module here is torch-free, so the flow process can load every schema.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
 import types
 from pathlib import Path
-from typing import Any, Literal, Sequence, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Sequence, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
@@ -140,6 +141,36 @@ def _keys_at(cls: type[BaseModel], parts: list[str]) -> list[str]:
     return list(model.model_fields) if model is not None else []
 
 
+def _section_model(ann: Any, data: Any) -> type[BaseModel] | None:
+    """The model a value of type `ann` holding `data` validates as: the model itself, an optional
+    one, or the member of a discriminated union that `data`'s discriminator (`kind`) picks."""
+    meta: list[Any] = []
+    if get_origin(ann) is Annotated:
+        ann, *meta = get_args(ann)
+    if (model := _model_of(ann)) is not None:
+        return model
+    disc = next((d for m in meta if (d := getattr(m, "discriminator", None))), None)
+    if isinstance(disc, str) and isinstance(data, dict) and get_origin(ann) in (Union, types.UnionType):
+        for m in get_args(ann):
+            field = getattr(m, "model_fields", {}).get(disc)
+            if field is not None and data.get(disc) in get_args(field.annotation):
+                return m
+    return None
+
+
+def _expand_shorthand(model: type[BaseModel], field: str, value: Any) -> Any:
+    """`value` of `model.field` as the field's one-argument before-validators pass it on:
+    `model: student` is {name_or_path: student}, so `--set ...model.kernels=torch` keeps the name."""
+    for dec in model.__pydantic_decorators__.field_validators.values():
+        if dec.info.mode == "before" and field in dec.info.fields:
+            try:
+                if len(inspect.signature(dec.func).parameters) == 1:
+                    value = dec.func(value)
+            except (TypeError, ValueError):
+                pass
+    return value
+
+
 _MAX_NODES, _MAX_DEPTH = 100_000, 64
 
 
@@ -190,11 +221,22 @@ def _read(path: Path) -> dict:
     return data
 
 
-def _format(cls: type[BaseModel], err: ValidationError, where: str, sets: list[tuple[str, str]]) -> str:
+def _origin(key: str, where: str, sets: list[tuple[str, str]]) -> str:
+    """` (from --set k=v)` when an override set `key` (or a section around or under it), else `where`."""
+    return next((f" (from --set {k}={raw})" for k, raw in sets
+                 if key and (key == k or key.startswith(k + ".") or k.startswith(key + "."))), where)
+
+
+def _format(cls: type[BaseModel], err: ValidationError, where: str, sets: list[tuple[str, str]],
+            prefix: str = "") -> str:
+    """One line per error: `key.path: problem (got value)` and where it came from. `prefix` goes in
+    front of every key path (a section validated on its own: `nodes.kd`)."""
     lines = []
     for e in err.errors(include_url=False):
         loc = e["loc"]
         key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" if i else str(p) for i, p in enumerate(loc))
+        if prefix:
+            key = f"{prefix}{'' if key.startswith('[') else '.'}{key}" if key else prefix
         if e["type"] == "extra_forbidden":
             try:
                 valid = _keys_at(cls, [p for p in loc[:-1] if isinstance(p, str)])
@@ -206,9 +248,11 @@ def _format(cls: type[BaseModel], err: ValidationError, where: str, sets: list[t
             if e["type"] != "missing" and loc and not isinstance(e.get("input"), dict):
                 got = repr(e.get("input"))
                 msg += f" (got {got if len(got) <= 60 else got[:57] + '...'})"
-        origin = next((f" (from --set {k}={raw})" for k, raw in sets
-                       if key and (key == k or key.startswith(k + ".") or k.startswith(key + "."))), where)
-        lines.append(f"{key}: {msg}{origin}" if key else f"{msg}{origin}")
+        if key:
+            lines.append(f"{key}: {msg}{_origin(key, where, sets)}")
+        else:  # a check of the whole document (PipelineConfig's nodes): each line names its own key path
+            lines.extend(f"{line}{_origin(line.partition(': ')[0] if ': ' in line else '', where, sets)}"
+                         for line in msg.splitlines() or [msg])
     return "\n".join(lines)
 
 
@@ -239,10 +283,23 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
         except (yaml.YAMLError, ValueError, RecursionError) as e:
             raise ConfigError(f"--set {item}: value is not valid YAML: {e}") from None
         _check_size(value, f"--set {item}")
-        node = data
-        for p in parts[:-1]:
-            if not isinstance(node.get(p), dict):  # e.g. a `launcher: null` section being filled in
+        node, ann = data, cls
+        for i, p in enumerate(parts):
+            if (model := _section_model(ann, node)) is not None:
+                ann = model.model_fields[p].annotation if p in model.model_fields else None
+                if p in node:  # a shorthand (`model: student`) written out before a key of it is set
+                    node[p] = _expand_shorthand(model, p, node[p])
+            else:  # a mapping: free-form (model.overrides) or of sections (nodes: name -> node)
+                args = get_args(ann) if get_origin(ann) is dict else ()
+                ann = args[1] if len(args) == 2 else None
+            if i == len(parts) - 1:
+                break
+            if node.get(p) is None:  # e.g. a `launcher: null` section being filled in
                 node[p] = {}
+            elif not isinstance(node[p], dict):
+                got = repr(node[p])
+                raise ConfigError(f"--set {item}: cannot set {'.'.join(parts)!r}: {'.'.join(parts[:i + 1])!r} is a "
+                                  f"value ({got if len(got) <= 60 else got[:57] + '...'}), not a section")
             node = node[p]
         old = node.get(parts[-1])
         node[parts[-1]] = _merge(old, value) if isinstance(value, dict) and isinstance(old, dict) else value

@@ -74,11 +74,11 @@ def stage_spec(node: StageConfig) -> StageConfig:
 
 
 def node_error(name: str, cls: type, e: ValidationError) -> str:
-    """The node's validation errors with `nodes.<name>.` in front of each key path."""
+    """The node's validation errors with `nodes.<name>` in front of each key path (a check of the
+    node as a whole: `nodes.<name>: problem`)."""
     from core.config import _format
 
-    return "\n".join(f"nodes.{name}.{line}" if not line.startswith(" ") else line
-                     for line in _format(cls, e, "", []).splitlines())
+    return _format(cls, e, "", [], prefix=f"nodes.{name}")
 
 
 _LEGACY = ("stages", "data_prep", "sft_teacher", "sft_student", "distill", "dpo", "evaluate")

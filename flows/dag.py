@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -127,8 +128,9 @@ class PipelineDAG:
             self._wire(node)
         self.edges = [e for n in self.nodes.values() for e in n.edges]
         self.order = self._toposort()
+        dirs: dict[Path, str] = {}
         for name in self.order:
-            self._check_node(self.nodes[name])
+            self._check_node(self.nodes[name], dirs)
 
     # ------------------------------------------------------------------------------ expansion
 
@@ -250,9 +252,9 @@ class PipelineDAG:
 
     # ------------------------------------------------------------------------------ checks
 
-    def _check_node(self, node: Node) -> None:
+    def _check_node(self, node: Node, dirs: dict[Path, str]) -> None:
         cfg, where = node.cfg, f"nodes.{node.base}"
-        self.cfg.node_dir(node.name, cfg.output_dir)  # a custom output_dir must stay inside
+        self._check_dir(node, dirs)
         parallel = getattr(cfg, "parallel", None)
         if parallel is not None:
             try:
@@ -265,6 +267,27 @@ class PipelineDAG:
                     parallel.validate_for_model(*shape)
                 except ValueError as e:
                     raise ValueError(f"{where}.parallel: {e}") from None
+
+    def _check_dir(self, node: Node, dirs: dict[Path, str]) -> None:
+        """A node's output dir stays in the workspace, and apart from the run's own files and every
+        other node's dir: a node clears its dir when its result changes, which would delete what
+        lies inside (or, for the workspace itself, every run)."""
+        out = Path(os.path.abspath(self.cfg.node_dir(node.name, node.cfg.output_dir)))  # raises if it escapes
+        run = Path(os.path.abspath(self.cfg.run_dir))
+        where = f"nodes.{node.base}.output_dir"
+        if out == run or out in run.parents:
+            raise ValueError(f"{where}: {node.cfg.output_dir!r} is the {'run dir' if out == run else 'workspace'} "
+                             "itself, not a directory of its own")
+        if out.is_relative_to(run) and out.relative_to(run).parts[0].startswith("."):
+            raise ValueError(f"{where}: {node.cfg.output_dir!r} is inside {out.relative_to(run).parts[0]}/, "
+                             "where the pipeline keeps its own files")
+        for d, other in dirs.items():
+            if out == d or d in out.parents or out in d.parents:
+                how = "the same directory as" if out == d else "inside the directory of" if d in out.parents \
+                    else "a directory holding that of"
+                raise ValueError(f"{where}: {self.output_dir(node.name)} is {how} node {other!r} "
+                                 f"({self.output_dir(other)})")
+        dirs[out] = node.name
 
     def model_shape(self, name: str) -> tuple[int, int, int] | None:
         """(heads, kv heads, experts) of the model node `name` trains, traced back to its preset or
