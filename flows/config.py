@@ -81,6 +81,20 @@ def node_error(name: str, cls: type, e: ValidationError) -> str:
     return _format(cls, e, "", [], prefix=f"nodes.{name}")
 
 
+def with_defaults(cls: type[StageConfig], node: dict[str, Any]) -> dict[str, Any]:
+    """A node's settings merged key by key onto its kind's defaults, as load_config merges a file
+    onto a schema's defaults: `lora: {rank: 8}` in a DPO node keeps DPO's `lora.enabled: true` (a
+    partial section would otherwise start from the section's plain defaults), `data: prep` keeps
+    the kind's data format. Shorthands (`model: student`) are written out first."""
+    from core.config import _expand_shorthand, _merge
+
+    try:
+        defaults = cls().model_dump(mode="json")
+    except ValidationError:
+        return node
+    return _merge(defaults, {k: _expand_shorthand(cls, k, v) for k, v in node.items()})
+
+
 _LEGACY = ("stages", "data_prep", "sft_teacher", "sft_student", "distill", "dpo", "evaluate")
 
 
@@ -122,7 +136,7 @@ class PipelineConfig(ConfigModel):
             return data
         if not nodes:
             raise ValueError("nodes: the pipeline has no nodes")
-        errors = []
+        errors, merged = [], {}
         for name, node in nodes.items():
             if not isinstance(name, str) or not re.match(NODE_NAME, name):
                 errors.append(f"nodes.{name}: node names are letters, digits, '_' and '-', starting with a letter")
@@ -135,13 +149,14 @@ class PipelineConfig(ConfigModel):
                 errors.append(f"nodes.{name}.kind: {'missing' if kind is None else repr(kind)}; "
                               f"one of {', '.join(KINDS)}")
                 continue
+            merged[name] = node = with_defaults(NODE_CLASSES[kind], node)
             try:
                 NODE_CLASSES[kind].model_validate(node)
             except ValidationError as e:
                 errors.append(node_error(name, NODE_CLASSES[kind], e))
         if errors:
             raise ValueError("\n".join(errors))
-        return data
+        return {**data, "nodes": merged}
 
     @field_validator("workspace")
     @classmethod

@@ -1,18 +1,33 @@
-"""core.config: defaults, loading, overrides, error messages, parallel layouts, round trips."""
+"""core.config and flows.config: the demo config, loading, `--set nodes.<name>.<key>` overrides,
+error messages, output dirs, parallel layouts, schema and round trips. (The DAG's own validation,
+expansion and wiring rules: tests/test_dag.py.)"""
 
 import json
 from pathlib import Path
 
 import pytest
+import yaml
 
-from flows.dag import PipelineDAG
 from core.config import ConfigError, dump_config, ensure_within, from_json_file, load_config, to_json_file
 from core.data.config import DataConfig
 from core.lora.config import LoRAConfig
 from core.parallel.config import ParallelConfig
-from flows.config import PipelineConfig
-from stages.config import STAGE_CONFIGS, STAGES, DistillConfig, DPOConfig, EvalConfig, SFTConfig
+from flows.config import NODE_CLASSES, PipelineConfig
+from flows.dag import Edge, PipelineDAG, Upstream
+from flows.demo import DEMO_CONFIG
+from stages.config import KINDS, STAGE_CONFIGS, DistillConfig, DPOConfig, EvalConfig, SFTConfig
 from stages.launch.config import LauncherConfig
+
+SMALL = """
+name: small
+nodes:
+  prep: {kind: data_prep, synthetic_size: 50}
+  teacher: {kind: sft, model: debug, data: prep}
+  student:
+    kind: sft
+    model: debug
+    data: prep
+"""
 
 
 def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
@@ -21,85 +36,174 @@ def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
     return path
 
 
-# ------------------------------------------------------------------------------------ defaults
+def demo(*sets: str) -> PipelineConfig:
+    return load_config(PipelineConfig, DEMO_CONFIG, list(sets))
 
-def test_defaults_describe_the_embedded_demo():
-    cfg = PipelineConfig()
-    assert cfg.enabled_stages() == list(STAGES)
+
+def upstream(dag: PipelineDAG, name: str) -> dict[str, Upstream]:
+    """Every input of `name` finished, in its default output dir."""
+    return {u: Upstream(str(dag.output_dir(u)), f"digest-{u}") for u in dag.inputs(name)}
+
+
+def spec_of(cfg: PipelineConfig, name: str):
+    dag = PipelineDAG(cfg)
+    return dag.spec(name, upstream(dag, name))
+
+
+# ------------------------------------------------------------------------------------ the demo
+
+def test_demo_config_describes_the_embedded_pipeline():
+    cfg = demo()
+    assert {n: v.kind for n, v in cfg.nodes.items()} == {
+        "prep": "data_prep", "teacher": "sft", "student": "sft", "distill": "distill", "dpo": "dpo",
+        "evaluate": "evaluate"}
     assert cfg.launcher.kind == "local" and cfg.launcher.nproc_per_node == 2
     assert cfg.tracking.tracking_uri == "sqlite:///mlflow.db"
-    assert cfg.sft_student.model.name_or_path == "debug"
-    assert cfg.data_prep.synthetic_size > 0
+    assert cfg.nodes["student"].model.name_or_path == "debug"  # `model: debug`, the shorthand
+    assert cfg.nodes["distill"].teacher.name_or_path == "teacher"
+    assert cfg.nodes["evaluate"].data.sources == ["prep"]  # `data: prep`, the shorthand
+    assert cfg.nodes["prep"].synthetic_size > 0
     assert cfg.schedule == "0 3 * * 1"
-    assert cfg.dpo.lora.enabled and cfg.dpo.reference == "disable_adapter"
-    for cls in (*STAGE_CONFIGS.values(), LoRAConfig, ParallelConfig, DataConfig):
+    assert cfg.nodes["dpo"].lora.enabled and cfg.nodes["dpo"].reference == "disable_adapter"
+    for cls in (*STAGE_CONFIGS.values(), *(c for k, c in NODE_CLASSES.items() if k != "data_prep"),
+                LoRAConfig, ParallelConfig, DataConfig):
         cls()  # every default validates on its own
+    assert NODE_CLASSES["data_prep"]().kind == "data_prep" and set(NODE_CLASSES) == set(KINDS)
+
+
+def test_a_pipeline_needs_nodes(tmp_path):
+    with pytest.raises(ConfigError, match=r"^nodes: Field required$"):
+        load_config(PipelineConfig)  # no defaults to start from: the user writes the DAG
+    with pytest.raises(ConfigError, match=r"^nodes: Field required in .*empty\.yaml$"):
+        load_config(PipelineConfig, write(tmp_path, "name: x\n", "empty.yaml"))
+    with pytest.raises(ConfigError, match=r"^nodes: the pipeline has no nodes in "):
+        load_config(PipelineConfig, write(tmp_path, "nodes: {}\n"))
+    with pytest.raises(ConfigError, match=r"^nodes: Input should be a valid dictionary \(got \['prep'\]\)"):
+        load_config(PipelineConfig, write(tmp_path, "nodes: [prep]\n"))
 
 
 def test_every_field_has_a_description_for_the_prefect_form():
     schema = PipelineConfig.model_json_schema()
+    json.dumps(schema)  # what the Prefect UI renders its run form from
     missing = [f"{name}.{field}" for name, model in schema["$defs"].items()
                for field, spec in model.get("properties", {}).items() if not spec.get("description")]
+    missing += [k for k, spec in schema["properties"].items() if not spec.get("description")]
     assert not missing
+    assert schema["required"] == ["nodes"]
+    # `nodes` is a mapping of node name -> one of the node kinds, told apart by `kind`
+    union = schema["properties"]["nodes"]["additionalProperties"]
+    assert set(union["discriminator"]["mapping"]) == set(KINDS)
+    assert {ref["$ref"].rsplit("/", 1)[-1] for ref in union["oneOf"]} == {c.__name__ for c in NODE_CLASSES.values()}
 
 
 def test_defaults_are_not_shared_between_instances():
-    a, b = PipelineConfig(), PipelineConfig()
-    a.sft_student.lora.targets.append("q_proj")
-    a.sft_student.model.overrides["n_layers"] = 9
-    assert b.sft_student.lora.targets == ["all-linear"] and b.sft_student.model.overrides == {}
+    a, b = demo(), demo()
+    a.nodes["student"].lora.targets.append("q_proj")
+    a.nodes["student"].model.overrides["n_layers"] = 9
+    assert b.nodes["student"].lora.targets == ["all-linear"] and b.nodes["student"].model.overrides == {}
+    x, y = NODE_CLASSES["sft"](), NODE_CLASSES["sft"]()
+    x.sweep["lora.rank"] = [8]
+    x.data.sources.append("prep")
+    assert y.sweep == {} and y.data.sources == []
 
 
 # ------------------------------------------------------------------------------------ loading
 
 def test_yaml_file_and_overrides_coerce_types(tmp_path):
-    path = write(tmp_path, """
-name: nightly
-sft_student:
-  optim: {lr: 1e-3, betas: [0.9, 0.99]}
-  lora: {enabled: true}
+    path = write(tmp_path, SMALL + """\
+    optim: {lr: 1e-3, betas: [0.9, 0.99]}
+    lora: {enabled: true}
 """)
     cfg = load_config(PipelineConfig, path, [
-        "sft_student.optim.lr=1e-4",
-        "sft_student.lora.targets=[q_proj,v_proj]",
-        "sft_student.lora.use_rslora=true",
-        "sft_student.max_steps=50",
-        "sft_student.model.overrides.n_layers=4",
+        "nodes.student.optim.lr=1e-4",
+        "nodes.student.lora.targets=[q_proj,v_proj]",
+        "nodes.student.lora.use_rslora=true",
+        "nodes.student.max_steps=50",
+        "nodes.student.model.overrides.num_layers=4",
         "launcher.slurm.time=4:00:00",
         "tracking.tags.team=no",
     ])
-    s = cfg.sft_student
-    assert cfg.name == "nightly"
+    s = cfg.nodes["student"]
+    assert cfg.name == "small"
     assert s.optim.lr == 1e-4 and isinstance(s.optim.lr, float)
     assert s.optim.betas == (0.9, 0.99)
     assert s.lora.targets == ["q_proj", "v_proj"] and s.lora.use_rslora and s.lora.enabled
     assert s.max_steps == 50
-    assert s.model.overrides == {"n_layers": 4}
+    assert s.model.overrides == {"num_layers": 4} and s.model.name_or_path == "debug"
     # YAML 1.1 would read these as 14400 and False.
     assert cfg.launcher.slurm.time == "4:00:00" and cfg.tracking.tags == {"team": "no"}
 
 
 def test_precedence_override_beats_file_beats_default(tmp_path):
-    path = write(tmp_path, "sft_teacher: {optim: {lr: 0.01, warmup_steps: 3}}\n")
-    cfg = load_config(PipelineConfig, path, ["sft_teacher.optim.lr=0.02"])
-    assert cfg.sft_teacher.optim.lr == 0.02  # override
-    assert cfg.sft_teacher.optim.warmup_steps == 3  # file
-    assert cfg.sft_teacher.optim.eps == 1e-8  # default
-    assert load_config(PipelineConfig, path).sft_teacher.optim.lr == 0.01
+    path = write(tmp_path, SMALL.replace("{kind: sft, model: debug, data: prep}",
+                                         "{kind: sft, model: debug, data: prep, optim: {lr: 0.01, warmup_steps: 3}}"))
+    cfg = load_config(PipelineConfig, path, ["nodes.teacher.optim.lr=0.02"])
+    assert cfg.nodes["teacher"].optim.lr == 0.02  # override
+    assert cfg.nodes["teacher"].optim.warmup_steps == 3  # file
+    assert cfg.nodes["teacher"].optim.eps == 1e-8  # default
+    assert load_config(PipelineConfig, path).nodes["teacher"].optim.lr == 0.01
+    assert cfg.nodes["student"].optim.lr == load_config(PipelineConfig, path).nodes["student"].optim.lr
 
 
-def test_partial_sections_keep_stage_specific_defaults(tmp_path):
-    path = write(tmp_path, "dpo: {lora: {rank: 8}}\n")
-    cfg = load_config(PipelineConfig, path, ["dpo.optim={warmup_steps: 0}"])
-    assert cfg.dpo.lora.rank == 8 and cfg.dpo.lora.enabled  # DPO's default, not LoRAConfig's
-    assert cfg.dpo.optim.lr == 5e-5 and cfg.dpo.optim.warmup_steps == 0
+def test_partial_sections_keep_the_kinds_defaults():
+    cfg = demo("nodes.dpo.lora={rank: 8}", "nodes.dpo.optim={warmup_steps: 0}")
+    dpo = cfg.nodes["dpo"]
+    assert dpo.lora.rank == 8 and dpo.lora.enabled and dpo.lora.alpha == 32  # the file's, merged key by key
+    assert dpo.optim.lr == 0.001 and dpo.optim.warmup_steps == 0
+    cfg = load_config(PipelineConfig, None, ["nodes.prep.kind=data_prep", "nodes.d.kind=dpo", "nodes.d.model=debug",
+                                             "nodes.d.data=prep", "nodes.d.lora.rank=8"])
+    assert cfg.nodes["d"].lora.enabled and cfg.nodes["d"].optim.lr == 5e-5  # DPO's defaults, not LoRAConfig's
+
+
+def test_a_nodes_partial_sections_start_from_its_kinds_defaults(tmp_path):
+    """Written in a file or handed to model_validate (as Prefect does), a node's section merges
+    onto its kind's default section: a DPO node's `lora: {rank: 8}` keeps `enabled: true` (it was
+    LoRAConfig's `false`, refused with reference='disable_adapter'), `data: prep` keeps the kind's
+    data format."""
+    nodes = {"prep": {"kind": "data_prep"}, "s": {"kind": "sft", "data": "prep"},
+             "d": {"kind": "dpo", "model": "s", "data": "prep", "lora": {"rank": 8}, "optim": {"warmup_steps": 0}},
+             "k": {"kind": "distill", "model": "s", "teacher": "s", "data": {"sources": ["prep"], "max_seq_len": 64}}}
+    path = write(tmp_path, yaml.safe_dump({"nodes": nodes}))
+    for cfg in (load_config(PipelineConfig, path), PipelineConfig.model_validate({"nodes": nodes})):
+        d, k, s = cfg.nodes["d"], cfg.nodes["k"], cfg.nodes["s"]
+        assert (d.lora.enabled, d.lora.rank, d.optim.lr, d.optim.warmup_steps) == (True, 8, 5e-5, 0)
+        assert d.data.format == "preference" and s.data.format == k.data.format == "sft"
+        assert k.data.max_seq_len == 64 and d.model.name_or_path == "s"
+    assert nodes["d"] == {"kind": "dpo", "model": "s", "data": "prep", "lora": {"rank": 8},
+                          "optim": {"warmup_steps": 0}}  # the caller's dict is left as it was
+
+
+def test_overrides_keep_shorthands_they_set_a_key_of():
+    """`model: student` is {name_or_path: student}: setting one key of it keeps the reference (it
+    was replaced by a fresh section, the distillation silently training the `debug` preset)."""
+    cfg = demo("nodes.distill.model.kernels=torch", "nodes.distill.teacher={dtype: bfloat16}",
+               "nodes.evaluate.data.max_seq_len=64", "nodes.student.model.overrides.num_layers=1")
+    kd = cfg.nodes["distill"]
+    assert (kd.model.name_or_path, kd.model.kernels) == ("student", "torch")
+    assert (kd.teacher.name_or_path, kd.teacher.dtype) == ("teacher", "bfloat16")
+    assert cfg.nodes["evaluate"].data.sources == ["prep"] and cfg.nodes["evaluate"].data.max_seq_len == 64
+    assert cfg.nodes["student"].model.name_or_path == "debug"
+    assert PipelineDAG(cfg).inputs("distill") == ["prep", "student", "teacher"]
+
+
+def test_overrides_add_and_rewire_nodes():
+    cfg = demo("nodes.kd2.kind=distill", "nodes.kd2.model=student", "nodes.kd2.teacher=teacher", "nodes.kd2.data=prep",
+               "nodes.kd2.divergence=jsd", "nodes.evaluate.models=[dpo, kd2]")
+    dag = PipelineDAG(cfg)
+    assert cfg.nodes["kd2"].divergence == "jsd"
+    assert dag.inputs("kd2") == ["prep", "student", "teacher"] and dag.inputs("evaluate") == ["dpo", "kd2", "prep"]
+    assert dag.order.index("kd2") < dag.order.index("evaluate")
+    cfg = demo("nodes.student.sweep={lora.rank: [8, 16]}", "nodes.student.lora.enabled=true",
+               "nodes.distill.model=student@rank=16")
+    assert PipelineDAG(cfg).inputs("distill") == ["prep", "student@rank=16", "teacher"]
 
 
 def test_override_fills_an_optional_section():
-    cfg = load_config(PipelineConfig, None, ["sft_teacher.launcher.kind=slurm",
-                                             "sft_teacher.launcher.slurm.gpus_per_node=8"])
-    assert cfg.sft_teacher.launcher.kind == "slurm" and cfg.sft_teacher.launcher.slurm.gpus_per_node == 8
-    assert PipelineDAG(cfg).spec("sft_student").launcher.kind == "local"  # the pipeline default
+    cfg = demo("nodes.teacher.launcher.kind=slurm", "nodes.teacher.launcher.slurm.gpus_per_node=8")
+    t = cfg.nodes["teacher"].launcher
+    assert t.kind == "slurm" and t.slurm.gpus_per_node == 8
+    assert spec_of(cfg, "teacher").launcher == t
+    assert spec_of(cfg, "student").launcher.kind == "local"  # the pipeline's
 
 
 def test_json_config_and_stage_config_load(tmp_path):
@@ -111,7 +215,7 @@ def test_json_config_and_stage_config_load(tmp_path):
 # ------------------------------------------------------------------------------------ errors
 
 def test_unknown_top_level_key_names_key_and_file(tmp_path):
-    path = write(tmp_path, "nmae: x\n")
+    path = write(tmp_path, SMALL + "nmae: x\n")
     with pytest.raises(ConfigError) as e:
         load_config(PipelineConfig, path)
     msg = str(e.value)
@@ -119,36 +223,68 @@ def test_unknown_top_level_key_names_key_and_file(tmp_path):
 
 
 def test_unknown_nested_key_names_dotted_path_and_valid_keys(tmp_path):
-    path = write(tmp_path, "sft_student:\n  optim:\n    lrr: 0.1\n")
+    path = write(tmp_path, SMALL + "    optim:\n      lrr: 0.1\n")
     with pytest.raises(ConfigError) as e:
         load_config(PipelineConfig, path)
     msg = str(e.value)
-    assert "sft_student.optim.lrr" in msg and "config.yaml" in msg
+    assert msg.startswith("nodes.student.optim.lrr: unknown key") and msg.endswith("in " + str(path))
     assert "lr, weight_decay" in msg
 
 
 def test_wrong_type_names_path_value_and_file(tmp_path):
-    path = write(tmp_path, "sft_student: {optim: {lr: abc}}\n")
+    path = write(tmp_path, SMALL + "    optim: {lr: abc}\n")
     with pytest.raises(ConfigError) as e:
         load_config(PipelineConfig, path)
     msg = str(e.value)
-    assert msg.startswith("sft_student.optim.lr: ") and "'abc'" in msg and msg.endswith("in " + str(path))
+    assert msg.startswith("nodes.student.optim.lr: ") and "'abc'" in msg and msg.endswith("in " + str(path))
+
+
+def test_every_bad_node_is_named_on_its_own_line(tmp_path):
+    path = write(tmp_path, SMALL + "    max_steps: 0\n    optim: {lr: abc}\n  kd: {kind: distill, temperature: -1}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(PipelineConfig, path)
+    lines = str(e.value).splitlines()
+    assert sorted(line.split(":")[0] for line in lines) == ["nodes.kd.temperature", "nodes.student.max_steps",
+                                                           "nodes.student.optim.lr"]
+    assert all(line.endswith(f" in {path}") for line in lines)
 
 
 def test_wrong_type_from_override_names_the_override(tmp_path):
-    with pytest.raises(ConfigError, match=r"dpo\.beta: .*\(got 'x'\) \(from --set dpo\.beta=x\)"):
-        load_config(PipelineConfig, write(tmp_path, "{}\n"), ["dpo.beta=x"])
+    with pytest.raises(ConfigError, match=r"^nodes\.dpo\.beta: .*\(got 'x'\) \(from --set nodes\.dpo\.beta=x\)$"):
+        demo("nodes.dpo.beta=x")
+    # a reference set on the command line is blamed on the --set, not on the file
+    with pytest.raises(ConfigError, match=r"^nodes\.dpo\.model: 'nope' is not a node .*\(from --set nodes\.dpo\.model=nope\)$"):
+        demo("nodes.dpo.model=nope")
+    # ... and a bad value in the file on the file, whatever else was set
+    path = write(tmp_path, DEMO_CONFIG.read_text().replace("    pairs: on_policy\n", "    pairs: on_policy\n    beta: 0\n"))
+    with pytest.raises(ConfigError, match=rf"^nodes\.dpo\.beta: .*\(got 0\) in {path}$"):
+        load_config(PipelineConfig, path, ["nodes.student.max_steps=3"])
 
 
 def test_set_on_unknown_nested_path_errors_naming_the_path():
-    with pytest.raises(ConfigError, match=r"unknown key 'sft_student\.lora\.rnak'.*'sft_student\.lora'.*rank"):
-        load_config(PipelineConfig, None, ["sft_student.lora.rnak=4"])
+    with pytest.raises(ConfigError, match=r"^nodes\.student\.lora\.rnak: unknown key; valid keys here: .*rank.*"
+                                          r"\(from --set nodes\.student\.lora\.rnak=4\)"):
+        demo("nodes.student.lora.rnak=4")
     with pytest.raises(ConfigError, match=r"unknown key 'nope'.*top level"):
-        load_config(PipelineConfig, None, ["nope.x=1"])
-    with pytest.raises(ConfigError, match=r"'sft_student\.optim\.lr' is a value, not a section"):
-        load_config(PipelineConfig, None, ["sft_student.optim.lr.x=1"])
+        demo("nope.x=1")
+    with pytest.raises(ConfigError, match=r"unknown key 'launcher\.slurm\.tme'.*'launcher\.slurm'.*time"):
+        demo("launcher.slurm.tme=1")
+    with pytest.raises(ConfigError, match=r"'nodes\.student\.optim\.lr' is a value \(0\.003\), not a section"):
+        demo("nodes.student.optim.lr.x=1")
     with pytest.raises(ConfigError, match="a.b.c=value"):
-        load_config(PipelineConfig, None, ["sft_student.optim.lr"])
+        demo("nodes.student.optim.lr")
+    with pytest.raises(ConfigError, match=r"^nodes\.nope\.kind: missing; one of data_prep, sft, distill, dpo, evaluate"):
+        demo("nodes.nope.max_steps=3")  # a new node needs its kind first
+    with pytest.raises(ConfigError, match=r"^nodes\.student\.rounds: unknown key"):
+        demo("nodes.student.rounds=2")  # rounds are DPO's
+    with pytest.raises(ConfigError, match=r"^nodes\.student: expected a mapping with a `kind`, got int"):
+        demo("nodes.student=3")
+
+
+def test_old_style_overrides_are_unknown_keys():
+    for item in ("stages.distill=false", "sft_student.max_steps=3", "dpo.beta=0.2"):
+        with pytest.raises(ConfigError, match=rf"--set {item}: unknown key '{item.split('.')[0]}'.*nodes"):
+            demo(item)
 
 
 def test_bad_files(tmp_path):
@@ -160,30 +296,38 @@ def test_bad_files(tmp_path):
         load_config(PipelineConfig, write(tmp_path, "a: [1,\n", "bad.yaml"))
     with pytest.raises(ConfigError, match="extension"):
         load_config(PipelineConfig, write(tmp_path, "", "cfg.toml"))
+    with pytest.raises(ConfigError, match=r"duplicate key 'prep'"):
+        load_config(PipelineConfig, write(tmp_path, SMALL + "  prep: {kind: data_prep}\n"))
 
 
-def test_cross_field_errors_name_the_section(tmp_path):
-    with pytest.raises(ConfigError, match=r"^dpo: reference='disable_adapter' needs lora\.enabled"):
-        load_config(PipelineConfig, None, ["dpo.lora.enabled=false"])
-    with pytest.raises(ConfigError, match=r"sft_student: save='adapter' needs lora\.enabled"):
-        load_config(PipelineConfig, None, ["sft_student.save=adapter"])
+def test_cross_field_errors_name_the_node(tmp_path):
+    with pytest.raises(ConfigError, match=r"^nodes\.dpo: reference='disable_adapter' needs lora\.enabled"):
+        demo("nodes.dpo.lora.enabled=false")
+    with pytest.raises(ConfigError, match=r"^nodes\.student: save='adapter' needs lora\.enabled"):
+        demo("nodes.student.save=adapter")
+    with pytest.raises(ConfigError, match=r"^nodes\.prep: val_fraction \+ test_fraction must leave"):
+        demo("nodes.prep.val_fraction=0.5", "nodes.prep.test_fraction=0.5")
+    with pytest.raises(ConfigError, match=r"^nodes\.evaluate: parallel\.tp=2: evaluation splits the examples"):
+        demo("nodes.evaluate.parallel.tp=2")
     with pytest.raises(ConfigError, match="top_k"):
         load_config(DistillConfig, None, ["mode=offline"])
     with pytest.raises(ConfigError, match="double_quant"):
         load_config(SFTConfig, None, ["lora.double_quant=true"])
     with pytest.raises(ConfigError, match="rdzv_endpoint"):
-        load_config(PipelineConfig, None, ["launcher.kind=multinode", "launcher.nnodes=2"])
-
-
-def test_pipeline_wiring_errors():
-    with pytest.raises(ConfigError, match=r"sft_student\.init_from: 'dpo' does not run before"):
-        load_config(PipelineConfig, None, ["sft_student.init_from=dpo"])
-    with pytest.raises(ConfigError, match=r"sft_teacher\.data\.sources is empty"):
-        load_config(PipelineConfig, None, ["stages.data_prep=false"])
-    with pytest.raises(ConfigError, match="every stage is disabled"):
-        load_config(PipelineConfig, None, [f"stages.{s}=false" for s in STAGES])
+        demo("launcher.kind=multinode", "launcher.nnodes=2")
     with pytest.raises(ConfigError, match="5-field cron"):
-        load_config(PipelineConfig, None, ["schedule=weekly"])
+        demo("schedule=weekly")
+
+
+def test_node_names_and_kinds():
+    with pytest.raises(ConfigError, match=r"^nodes\.1st: node names are letters"):
+        demo("nodes.1st.kind=sft")
+    with pytest.raises(ConfigError, match=r"^nodes\.student\.kind: 'ppo'; one of data_prep"):
+        demo("nodes.student.kind=ppo")
+    # a node changing kind is validated as the new kind
+    with pytest.raises(ConfigError, match=r"^nodes\.student\.teacher: unknown key"):
+        load_config(PipelineConfig, DEMO_CONFIG, ["nodes.student.teacher=teacher", "nodes.student.kind=sft"])
+    assert demo("nodes.student.kind=dpo").nodes["student"].lora.enabled  # DPO's defaults now apply
 
 
 # ------------------------------------------------------------------------------------ paths
@@ -198,38 +342,65 @@ def test_ensure_within(tmp_path):
 
 
 def test_output_dirs_must_stay_in_the_workspace():
-    with pytest.raises(ConfigError, match=r"dpo\.output_dir: .*escapes.*workspace"):
-        load_config(PipelineConfig, None, ["dpo.output_dir=../../../etc"])
+    with pytest.raises(ConfigError, match=r"^nodes\.dpo\.output_dir: .*escapes.*workspace"):
+        demo("nodes.dpo.output_dir=../../../etc")
     with pytest.raises(ConfigError, match=r"workspace.*'\.\.'"):
-        load_config(PipelineConfig, None, ["workspace=../runs"])
+        demo("workspace=../runs")
     with pytest.raises(ConfigError, match="name"):
-        load_config(PipelineConfig, None, ["name=../x"])
-    with pytest.raises(ConfigError, match="same directory"):
-        load_config(PipelineConfig, None, ["dpo.output_dir=distill"])
-    cfg = load_config(PipelineConfig, None, ["dpo.output_dir=aligned"])
-    assert PipelineDAG(cfg).spec("dpo").output_dir == str(Path("runs/demo/aligned"))
+        demo("name=../x")
+    cfg = demo("nodes.dpo.output_dir=aligned")
+    assert spec_of(cfg, "dpo").output_dir == str(Path("runs/demo/aligned"))
+    assert spec_of(cfg, "evaluate").models[0] == str(Path("runs/demo/aligned"))  # readers follow it
+    dag = PipelineDAG(demo("nodes.dpo.output_dir=aligned", "nodes.dpo.rounds=2"))
+    assert [str(dag.output_dir(n)) for n in ("dpo@r1", "dpo@r2")] == [str(Path("runs/demo/aligned/r1")),
+                                                                     str(Path("runs/demo/aligned/r2"))]
 
 
-# ------------------------------------------------------------------------------------ stage specs
+@pytest.mark.parametrize("sets, match", [
+    # a node clears its dir when its result changes: whatever lies inside would go with it
+    (["nodes.dpo.output_dir=distill"], r"nodes\.dpo\.output_dir: \S*distill is the same directory as node 'distill'"),
+    (["nodes.dpo.output_dir=student/dpo"], r"nodes\.dpo\.output_dir: .* is inside the directory of node 'student'"),
+    (["nodes.prep.output_dir=shared", "nodes.dpo.output_dir=shared/x/.."], r"nodes\.dpo\.output_dir: .*same directory as node 'prep'"),
+    (["nodes.student.output_dir=x", "nodes.teacher.output_dir=x/y"], r"nodes\.(teacher|student)\.output_dir: "),
+    (["nodes.dpo.output_dir=."], r"nodes\.dpo\.output_dir: '\.' is the run dir itself"),
+    (["nodes.dpo.output_dir=.."], r"nodes\.dpo\.output_dir: '\.\.' is the workspace itself"),
+    (["nodes.dpo.output_dir=.locks"], r"nodes\.dpo\.output_dir: .*where the pipeline keeps its own files"),
+    (["nodes.dpo.output_dir=.launch/x"], r"nodes\.dpo\.output_dir: .*where the pipeline keeps its own files"),
+])
+def test_output_dirs_are_each_nodes_own(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        demo(*sets)
+
+
+# ------------------------------------------------------------------------------------ the demo's DAG
+
+def test_demo_dag_edges_are_explicit():
+    dag = PipelineDAG(demo())
+    assert dag.order == ["prep", "teacher", "student", "distill", "dpo", "evaluate"]
+    data = [Edge("prep", s, "data", "data.sources[0]") for s in ("teacher", "student", "distill", "dpo", "evaluate")]
+    assert set(dag.edges) == {
+        *data, Edge("student", "distill", "model", "model"), Edge("teacher", "distill", "teacher", "teacher"),
+        Edge("distill", "dpo", "model", "model"), Edge("dpo", "evaluate", "evaluated", "models[0]"),
+        Edge("student", "evaluate", "evaluated", "models[1]"), Edge("distill", "evaluate", "evaluated", "models[2]")}
+    assert dag.inputs("distill") == ["prep", "student", "teacher"]
+    assert dag.describe()["nodes"]["dpo"] == {"kind": "dpo", "from": "dpo", "inputs": ["distill", "prep"],
+                                              "output_dir": str(Path("runs/demo/dpo"))}
+
 
 def test_stage_spec_wires_upstream_outputs():
-    cfg = PipelineConfig()
-    dpo = PipelineDAG(cfg).spec("dpo")
+    cfg = demo()
+    dpo = spec_of(cfg, "dpo")
+    assert type(dpo) is DPOConfig  # the stage's own config: no kind, sweep or rounds
     assert dpo.model.name_or_path == str(Path("runs/demo/distill"))
-    assert dpo.data.sources == [str(Path("runs/demo/data_prep"))]
+    assert dpo.data.sources == [str(Path("runs/demo/prep"))]
     assert dpo.launcher == cfg.launcher and dpo.tracking == cfg.tracking
-    distill = PipelineDAG(cfg).spec("distill")
-    assert distill.teacher.name_or_path == str(Path("runs/demo/sft_teacher"))
-    assert cfg.distill.model.name_or_path == "debug"  # stage() copies; the pipeline is untouched
-
-
-def test_disabled_upstream_is_skipped():
-    cfg = load_config(PipelineConfig, None, ["stages.distill=false"])
-    assert PipelineDAG(cfg).upstream("dpo") == "sft_student"
-    assert PipelineDAG(cfg).spec("dpo").model.name_or_path == str(Path("runs/demo/sft_student"))
-    assert PipelineDAG(cfg).spec("evaluate").compare_to == [str(Path("runs/demo/sft_student"))]
-    cfg = load_config(PipelineConfig, None, ["stages.sft_student=false", "stages.distill=false"])
-    assert PipelineDAG(cfg).spec("dpo").model.name_or_path == "debug"
+    distill = spec_of(cfg, "distill")
+    assert distill.teacher.name_or_path == str(Path("runs/demo/teacher"))
+    assert distill.model.name_or_path == str(Path("runs/demo/student"))
+    ev = spec_of(cfg, "evaluate")
+    assert type(ev) is EvalConfig and ev.models == [str(Path(f"runs/demo/{m}")) for m in ("dpo", "student", "distill")]
+    assert cfg.nodes["distill"].model.name_or_path == "student"  # spec() copies; the pipeline is untouched
+    assert spec_of(cfg, "student").model.name_or_path == "debug"  # a preset stays a preset
 
 
 # ------------------------------------------------------------------------------------ parallel
@@ -285,22 +456,29 @@ def test_validate_for_model():
 # ------------------------------------------------------------------------------------ round trips
 
 def test_json_round_trip(tmp_path):
-    cfg = load_config(PipelineConfig, None, [
-        "sft_student.lora.enabled=true", "sft_student.lora.targets=[q_proj]",
-        "sft_student.model.overrides={n_layers: 2, rope_theta: 1e6}",
-        "launcher.kubernetes.volumes=[{name: ws, mountPath: /ws}]", "dpo.optim.betas=[0.8, 0.9]"])
+    cfg = demo("nodes.student.lora.enabled=true", "nodes.student.lora.targets=[q_proj]",
+               "nodes.student.model.overrides={num_layers: 2, rope_theta: 1e6}",
+               "launcher.kubernetes.volumes=[{name: ws, mountPath: /ws}]", "nodes.dpo.optim.betas=[0.8, 0.9]",
+               "nodes.teacher.sweep={optim.lr: [0.001, 0.003]}", "nodes.distill.teacher=teacher@lr=0.003",
+               "nodes.dpo.rounds=2", "nodes.evaluate.models=[dpo, dpo@r1, teacher]",
+               "nodes.evaluate.select={metric: exact_match}", "nodes.evaluate.launcher={nproc_per_node: 1}")
     path = to_json_file(cfg, tmp_path / "spec" / "pipeline.json")
     assert from_json_file(PipelineConfig, path) == cfg
     assert json.loads(path.read_text()) == dump_config(cfg)
     assert not [p for p in path.parent.iterdir() if p.name != "pipeline.json"]  # no temp files left
+    # what Prefect stores as the flow's parameter and validates back when a run starts
+    again = PipelineConfig.model_validate(json.loads(json.dumps(dump_config(cfg))))
+    assert again == cfg and PipelineDAG(again).order == PipelineDAG(cfg).order
+    assert list(again.nodes) == list(cfg.nodes)  # the user's order survives
 
 
 def test_stage_spec_round_trip(tmp_path):
-    cfg = PipelineConfig()
-    for name in STAGES:
-        spec = PipelineDAG(cfg).spec(name)
+    dag = PipelineDAG(demo())
+    for name in dag.order:
+        spec = dag.spec(name, upstream(dag, name))
+        assert type(spec) is STAGE_CONFIGS[dag.kind(name)]
         path = to_json_file(spec, tmp_path / f"{name}.json")
-        assert from_json_file(type(spec), path) == spec
+        assert from_json_file(STAGE_CONFIGS[dag.kind(name)], path) == spec
 
 
 def test_spec_errors_name_the_json_file(tmp_path):
@@ -312,27 +490,36 @@ def test_spec_errors_name_the_json_file(tmp_path):
 def test_eval_and_launcher_checks():
     with pytest.raises(ValueError, match="greedy"):
         EvalConfig(num_samples=4)
+    with pytest.raises(ValueError, match="at least 1 item"):
+        EvalConfig(models=[])
     with pytest.raises(ValueError, match="image"):
         LauncherConfig(kind="kubernetes")
     with pytest.raises(ValueError, match="multinode"):
         LauncherConfig(nnodes=2)
 
 
-def test_dag_edges_are_explicit_and_follow_disabled_stages():
-    from flows.dag import Edge
+# ------------------------------------------------------------------------------------ the CLI
 
-    dag = PipelineDAG(PipelineConfig())
-    assert set(dag.edges) == {
-        *(Edge("data_prep", s, "data") for s in ("sft_teacher", "sft_student", "distill", "dpo", "evaluate")),
-        Edge("sft_student", "distill", "model"), Edge("sft_teacher", "distill", "teacher"),
-        Edge("distill", "dpo", "model"), Edge("dpo", "evaluate", "model"),
-        Edge("sft_student", "evaluate", "compare"), Edge("distill", "evaluate", "compare")}
-    assert dag.inputs("distill") == ["data_prep", "sft_student", "sft_teacher"]
-    assert dag.spec("dpo") is dag.spec("dpo")  # resolved once per DAG (per pipeline run)
-    off = PipelineDAG(load_config(PipelineConfig, None, ["stages.distill=false", "stages.data_prep=false",
-                                                         "dpo.data.sources=[d.jsonl]", "evaluate.data.sources=[d.jsonl]",
-                                                         "sft_student.data.sources=[d.jsonl]",
-                                                         "sft_teacher.data.sources=[d.jsonl]"]))
-    assert set(off.edges) == {Edge("sft_student", "dpo", "model"), Edge("dpo", "evaluate", "model"),
-                              Edge("sft_student", "evaluate", "compare")}
-    assert off.spec("dpo").data.sources == ["d.jsonl"]
+def test_config_command_prints_the_plan_json_and_conversions(tmp_path, capsys, monkeypatch):
+    from flows.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the demo's workspace (runs/) is relative: nothing is there yet
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("pipeline demo: 6 nodes, 11 edges (workspace runs)")
+    assert "distill" in out and "<- prep, student, teacher" in out and "student -> distill  (model: model)" in out
+    assert main(["run", "--dry-run", "--set", "nodes.dpo.rounds=2"]) == 0  # the plan, nothing launched
+    out = capsys.readouterr().out
+    assert "7 nodes" in out and "dpo@r2" in out and not (tmp_path / "runs").exists()
+    assert main(["config", "--json", "--set", "nodes.student.max_steps=7"]) == 0
+    dumped = json.loads(capsys.readouterr().out)
+    assert PipelineConfig.model_validate(dumped) == demo("nodes.student.max_steps=7")
+    old = write(tmp_path, yaml.safe_dump({"name": "old", "stages": {"dpo": False}, "sft_student": {"max_steps": 3},
+                                          "distill": {"kind": "jsd"}}), "old.yaml")
+    assert main(["config", "--convert", str(old)]) == 0
+    new = write(tmp_path, capsys.readouterr().out, "new.yaml")
+    cfg = load_config(PipelineConfig, new)
+    assert "dpo" not in cfg.nodes and cfg.nodes["distill"].divergence == "jsd"
+    assert cfg.nodes["sft_student"].max_steps == 3
+    assert main(["config", "--convert", str(new)]) == 2 and "already in the DAG format" in capsys.readouterr().err
+    assert main(["config", str(old)]) == 2 and "posttrain config --convert" in capsys.readouterr().err
