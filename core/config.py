@@ -252,7 +252,7 @@ def _format(cls: type[BaseModel], err: ValidationError, where: str, sets: list[t
             lines.append(f"{key}: {msg}{_origin(key, where, sets)}")
         else:  # a check of the whole document (PipelineConfig's nodes): each line names its own key path
             lines.extend(f"{line}{_origin(line.partition(': ')[0] if ': ' in line else '', where, sets)}"
-                         for line in msg.splitlines() or [msg])
+                         for line in msg.split("\n"))
     return "\n".join(lines)
 
 

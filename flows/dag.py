@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from stages.config import StageConfig, check_layout
 
 Role = Literal["model", "teacher", "judge", "evaluated", "data"]
 TRAIN_KINDS = ("sft", "distill", "dpo")
+MAX_MEMBERS = 1000  # of one sweep: a grid grows as the product of its value counts
 
 
 @dataclass(frozen=True)
@@ -137,11 +139,24 @@ class PipelineDAG:
     def _expand(self, name: str, node: Any) -> None:
         cls = NODE_CLASSES[node.kind]
         grid = [(k, v) for k, v in node.sweep.items()]
+        keys = [k for k, _ in grid]
         for k, values in grid:
             if not values:
                 raise ValueError(f"nodes.{name}.sweep.{k}: an empty list of values")
+            labels = [_label(keys, k, v) for v in values]
+            if len(set(labels)) < len(labels):
+                twice = next(lb for lb in labels if labels.count(lb) > 1)
+                raise ValueError(f"nodes.{name}.sweep.{k}: {twice.split('=', 1)[1]} is listed twice; "
+                                 "the members would be one node")
+            bad = next((lb for lb in labels if "/" in lb or "\\" in lb), None)
+            if bad is not None:  # the member's name is its directory (and its lock file's) name
+                raise ValueError(f"nodes.{name}.sweep.{k}: the member {name}@{bad} would be named by a path; "
+                                 "sweep over values without '/', or give each path a node of its own")
+        size = math.prod(len(v) for _, v in grid)
+        if size > MAX_MEMBERS:
+            raise ValueError(f"nodes.{name}.sweep: {size} members (the product of the value counts); "
+                             f"at most {MAX_MEMBERS}")
         combos = list(itertools.product(*[[(k, v) for v in values] for k, values in grid])) if grid else [()]
-        keys = [k for k, _ in grid]
         base = node.model_dump(mode="json", exclude={"sweep"})
         members = []
         for combo in combos:
@@ -157,6 +172,9 @@ class PipelineDAG:
                 where = ", ".join(f"{k}={v!r}" for k, v in combo)
                 raise ValueError(f"{node_error(name, cls, e)} (in the sweep member {where})") from None
             member = name + "".join(f"@{_label(keys, k, v)}" for k, v in combo)
+            if len(member.encode()) + len("@r100.lock") > 255:  # NAME_MAX: a directory and lock file name
+                raise ValueError(f"nodes.{name}{'.sweep' if combo else ''}: {member[:60]!r}... is too long a "
+                                 "name for a directory")
             if combo and expanded.output_dir is not None:
                 raise ValueError(f"nodes.{name}.output_dir: a swept node's members each need their own "
                                  "directory; leave output_dir unset")
@@ -283,10 +301,13 @@ class PipelineDAG:
                              "where the pipeline keeps its own files")
         for d, other in dirs.items():
             if out == d or d in out.parents or out in d.parents:
-                how = "the same directory as" if out == d else "inside the directory of" if d in out.parents \
-                    else "a directory holding that of"
-                raise ValueError(f"{where}: {self.output_dir(node.name)} is {how} node {other!r} "
-                                 f"({self.output_dir(other)})")
+                a, b = node.name, other
+                if node.cfg.output_dir is None and self.nodes[other].cfg.output_dir is not None:
+                    a, b = b, a  # name the node whose custom output_dir collides
+                how = "the same directory as" if out == d else "inside the directory of" \
+                    if self.output_dir(b) in self.output_dir(a).parents else "a directory holding that of"
+                raise ValueError(f"nodes.{self.nodes[a].base}.output_dir: {self.output_dir(a)} is {how} node {b!r} "
+                                 f"({self.output_dir(b)})")
         dirs[out] = node.name
 
     def model_shape(self, name: str) -> tuple[int, int, int] | None:

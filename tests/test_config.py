@@ -372,6 +372,24 @@ def test_output_dirs_are_each_nodes_own(sets, match):
         demo(*sets)
 
 
+@pytest.mark.parametrize("sets, match", [
+    # a member's name is its directory's and its lock file's: two members of one name would be one node
+    (["nodes.student.sweep={optim.lr: [0.1, 0.1]}"], r"^nodes\.student\.sweep\.optim\.lr: 0\.1 is listed twice"),
+    (["nodes.student.sweep={seed: [1, '1']}"], r"^nodes\.student\.sweep\.seed: 1 is listed twice"),
+    # ... and a value with a '/' would name a path (out of the workspace, here), not a directory
+    (["nodes.student.sweep={model.name_or_path: [debug, ../../../../../../tmp]}"],
+     r"^nodes\.student\.sweep\.model\.name_or_path: the member student@name_or_path=\.\./.* would be named by a path"),
+    (["nodes.student.sweep={seed: [1, 2], lora.targets: [[" + ", ".join(["q_proj"] * 40) + "]]}"],
+     r"^nodes\.student\.sweep: 'student@seed=1@targets=.*too long a name for a directory"),
+    (["nodes.student.sweep={seed: [" + ", ".join(map(str, range(50))) + "], epochs: [" + ", ".join(map(str, range(1, 50))) + "]}"],
+     r"^nodes\.student\.sweep: 2450 members .*at most 1000"),
+    (["nodes.student.sweep={output_dir: [a, b]}"], r"^nodes\.student\.output_dir: a swept node's members each need"),
+])
+def test_sweep_members_are_distinct_directories(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        demo(*sets, "nodes.distill.model=teacher", "nodes.evaluate.models=[student]")
+
+
 # ------------------------------------------------------------------------------------ the demo's DAG
 
 def test_demo_dag_edges_are_explicit():
