@@ -191,4 +191,4 @@ class PipelineConfig(ConfigModel):
         try:
             return ensure_within(self.workspace, Path(self.name) / custom)
         except ValueError as e:
-            raise ValueError(f"nodes.{name}.output_dir: {e} (the workspace)") from None
+            raise ValueError(f"nodes.{name.split('@')[0]}.output_dir: {e} (the workspace)") from None
