@@ -145,7 +145,7 @@ class PipelineConfig(ConfigModel):
                 errors.append(f"nodes.{name}: expected a mapping with a `kind`, got {type(node).__name__}")
                 continue
             kind = node.get("kind")
-            if kind not in NODE_CLASSES:
+            if not isinstance(kind, str) or kind not in NODE_CLASSES:
                 errors.append(f"nodes.{name}.kind: {'missing' if kind is None else repr(kind)}; "
                               f"one of {', '.join(KINDS)}")
                 continue

@@ -20,7 +20,29 @@ OLD_DEFAULT_TEACHER = "sft_teacher"
 OLD_DEFAULT_COMPARE = ["sft_student", "distill"]
 
 
+def _check_old(old: dict[str, Any]) -> None:
+    """ValueError naming the key where the old document is not of the old format's shape (what
+    the conversion reads: sections, `stages` flags, the references between stages)."""
+    for key in ("stages", *KIND):
+        if not isinstance(old.get(key) or {}, dict):
+            raise ValueError(f"{key}: expected a mapping, got {type(old[key]).__name__}")
+    for stage, on in (old.get("stages") or {}).items():
+        if stage not in KIND or not isinstance(on, bool):
+            raise ValueError(f"stages.{stage}: expected one of {', '.join(KIND)} set to true or false")
+    for stage in KIND:
+        sec = old.get(stage) or {}
+        for ref in ("init_from", "teacher_from"):
+            if sec.get(ref) is not None and sec[ref] not in KIND:
+                raise ValueError(f"{stage}.{ref}: {sec[ref]!r} is not a stage ({', '.join(KIND)})")
+        compare = sec.get("compare_to", []) if stage == "evaluate" else []
+        if not isinstance(compare, list) or not all(isinstance(c, str) for c in compare):
+            raise ValueError(f"evaluate.compare_to: expected a list of stage names or paths, got {compare!r}")
+        if stage == "evaluate" and not isinstance(sec.get("model") or {}, dict):
+            raise ValueError(f"evaluate.model: expected a mapping, got {type(sec['model']).__name__}")
+
+
 def convert(old: dict[str, Any]) -> dict[str, Any]:
+    _check_old(old)
     enabled = {s: bool((old.get("stages") or {}).get(s, True)) for s in KIND}
     sections = {s: dict(old.get(s) or {}) for s in KIND}
 
@@ -28,7 +50,12 @@ def convert(old: dict[str, Any]) -> dict[str, Any]:
         return sections[stage].get("init_from", OLD_DEFAULT_FROM.get(stage))
 
     def live(ref: str | None) -> str | None:
+        seen = []
         while ref is not None and not enabled.get(ref, True):
+            if ref in seen:  # disabled stages starting from each other (the old format refused it)
+                raise ValueError(f"{ref}.init_from: the disabled stages {' -> '.join(seen + [ref])} start from "
+                                 "each other; no stage runs first")
+            seen.append(ref)
             ref = start_of(ref)
         return ref
 
@@ -73,4 +100,7 @@ def convert_file(path: str | Path) -> str:
     old = _read(Path(path))
     if "nodes" in old:
         raise ConfigError(f"{path}: already in the DAG format (it has `nodes:`)")
-    return yaml.safe_dump(convert(old), sort_keys=False)
+    try:
+        return yaml.safe_dump(convert(old), sort_keys=False)
+    except ValueError as e:
+        raise ConfigError(f"{e} in {path}") from None

@@ -541,3 +541,22 @@ def test_config_command_prints_the_plan_json_and_conversions(tmp_path, capsys, m
     assert cfg.nodes["sft_student"].max_steps == 3
     assert main(["config", "--convert", str(new)]) == 2 and "already in the DAG format" in capsys.readouterr().err
     assert main(["config", str(old)]) == 2 and "posttrain config --convert" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("old, match", [
+    # disabled stages starting from each other: following them looped forever
+    ({"stages": {"sft_student": False, "distill": False}, "sft_student": {"init_from": "distill"},
+      "distill": {"init_from": "sft_student"}}, r"\.init_from: the disabled stages (distill|sft_student) -> .* start from each other"),
+    ({"sft_student": 3}, r"^sft_student: expected a mapping, got int in "),  # a crash (TypeError)
+    ({"stages": ["dpo"]}, r"^stages: expected a mapping"),
+    ({"stages": {"dpo": "off"}}, r"^stages\.dpo: expected one of .* true or false"),
+    ({"dpo": {"init_from": "nope"}}, r"^dpo\.init_from: 'nope' is not a stage"),
+    ({"evaluate": {"compare_to": "dpo"}}, r"^evaluate\.compare_to: expected a list"),  # was read letter by letter
+])
+def test_converting_a_malformed_old_config_names_the_key(tmp_path, old, match):
+    from flows.convert import convert_file
+
+    path = write(tmp_path, yaml.safe_dump(old), "old.yaml")
+    with pytest.raises(ConfigError, match=match) as e:
+        convert_file(path)
+    assert str(e.value).endswith(f" in {path}")
