@@ -133,6 +133,15 @@ class PipelineDAG:
         dirs: dict[Path, str] = {}
         for name in self.order:
             self._check_node(self.nodes[name], dirs)
+        reg = cfg.registry.evaluate
+        if cfg.registry.enabled and reg is not None:  # checked now, not after every node has run
+            evals = [n for n in self.order if self.kind(n) == "evaluate"]
+            targets = self.members.get(reg, [])
+            if len(targets) > 1:
+                raise ValueError(f"registry.evaluate: {reg!r} is a sweep of {len(targets)} nodes; name one "
+                                 f"({', '.join(targets)})")
+            if not targets or self.kind(targets[0]) != "evaluate":
+                raise ValueError(f"registry.evaluate: {reg!r} is not an evaluate node ({', '.join(evals) or 'none'})")
 
     # ------------------------------------------------------------------------------ expansion
 

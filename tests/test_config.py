@@ -319,6 +319,17 @@ def test_cross_field_errors_name_the_node(tmp_path):
         demo("schedule=weekly")
 
 
+def test_the_registered_evaluate_node_is_checked_at_load():
+    """registry.evaluate was looked up only after every node had run."""
+    with pytest.raises(ConfigError, match=r"^registry\.evaluate: 'dpo' is not an evaluate node \(evaluate\) "
+                                          r"\(from --set registry\.evaluate=dpo\)"):
+        demo("registry.evaluate=dpo")
+    with pytest.raises(ConfigError, match=r"^registry\.evaluate: 'evaluate' is a sweep of 2 nodes"):
+        demo("registry.evaluate=evaluate", "nodes.evaluate.sweep={max_examples: [10, 20]}")
+    assert demo("registry.evaluate=evaluate@max_examples=10", "nodes.evaluate.sweep={max_examples: [10, 20]}")
+    assert demo("registry.evaluate=nope", "registry.enabled=false").registry.evaluate == "nope"
+
+
 def test_node_names_and_kinds():
     with pytest.raises(ConfigError, match=r"^nodes\.1st: node names are letters"):
         demo("nodes.1st.kind=sft")
@@ -488,6 +499,27 @@ def test_json_round_trip(tmp_path):
     again = PipelineConfig.model_validate(json.loads(json.dumps(dump_config(cfg))))
     assert again == cfg and PipelineDAG(again).order == PipelineDAG(cfg).order
     assert list(again.nodes) == list(cfg.nodes)  # the user's order survives
+
+
+def test_prefect_renders_and_validates_the_flow_parameter():
+    """The run form comes from Prefect's schema of post_training's `config`; what the form sends
+    back is validated by Prefect into the same PipelineConfig, and a bad node is refused by name."""
+    from prefect.exceptions import ParameterTypeError
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import post_training
+
+    schema = parameter_schema(post_training.fn).model_dump()
+    json.dumps(schema)
+    assert list(schema["properties"]) == ["config"] and schema["required"] == ["config"]
+    assert {c.__name__ for c in NODE_CLASSES.values()} <= set(schema["definitions"])
+    cfg = demo("nodes.dpo.rounds=2", "nodes.student.sweep={lora.rank: [4, 8]}", "nodes.student.lora.enabled=true",
+               "nodes.distill.model=student@rank=8")
+    got = post_training.validate_parameters({"config": json.loads(json.dumps(dump_config(cfg)))})
+    assert got["config"] == cfg
+    bad = {**dump_config(cfg), "nodes": {"x": {"kind": "sft", "model": "nope", "data": "nope.jsonl"}}}
+    with pytest.raises(ParameterTypeError, match=r"nodes\.x\.model: 'nope' is not a node"):
+        post_training.validate_parameters({"config": bad})
 
 
 def test_stage_spec_round_trip(tmp_path):

@@ -47,9 +47,7 @@ def prefect_api(tmp_path_factory):
 def test_deployment_triggered_from_the_api(prefect_api, tmp_path):
     url, env = prefect_api
     cfg = {"name": "deployed", "workspace": str(tmp_path / "runs"), "schedule": "0 4 * * 2",
-           "stages": {"sft_teacher": False, "sft_student": False, "distill": False, "dpo": False,
-                      "evaluate": False},
-           "data_prep": {"synthetic_size": 40},
+           "nodes": {"prep": {"kind": "data_prep", "synthetic_size": 40}},
            "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
            "launcher": {"nproc_per_node": 1}}
     cfg_file = tmp_path / "pipeline.yaml"
@@ -74,11 +72,11 @@ def test_deployment_triggered_from_the_api(prefect_api, tmp_path):
             assert [s.schedule.cron for s in scheduled.schedules] == ["0 4 * * 2"]
 
             # The UI's "Run" with an edited form: parameters come from the request.
-            params = {"config": {**cfg, "name": "from-ui", "data_prep": {"synthetic_size": 24}}}
+            params = {"config": {**cfg, "name": "from-ui", "nodes": {"prep": {"kind": "data_prep", "synthetic_size": 24}}}}
             run = run_deployment("post_training/on-demand", parameters=params, timeout=600)
             assert run.state.is_completed(), run.state
             assert run.parameters["config"]["name"] == "from-ui"
-        manifest = json.loads((tmp_path / "runs" / "from-ui" / "data_prep" / "manifest.json").read_text())
+        manifest = json.loads((tmp_path / "runs" / "from-ui" / "prep" / "manifest.json").read_text())
         rows = sum(v for k, v in manifest["metrics"].items() if k.startswith("rows/sft_"))
         assert 0 < rows <= 24
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.dag import PipelineDAG
+from flows.dag import PipelineDAG, Upstream
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".venv", ".git", "node_modules", "build", "dist", "__pycache__", ".hypothesis", "runs", "outputs"}
@@ -224,11 +224,19 @@ SECRETS = {"hf": "hf_SECRETtoken123", "aws": "AKIAsecretvalue", "pw": "hunter2pw
 def _secret_config():
     from core.config import load_config
     from flows.config import PipelineConfig
+    from flows.demo import DEMO_CONFIG
 
-    return load_config(PipelineConfig, overrides=[
+    return load_config(PipelineConfig, DEMO_CONFIG, overrides=[
         f"launcher.env.HF_TOKEN={SECRETS['hf']}", f"launcher.env.AWS_SECRET_ACCESS_KEY={SECRETS['aws']}",
         f"tracking.tracking_uri=postgresql://mlflow:{SECRETS['pw']}@db:5432/mlflow",
-        f"tracking.tags.api_key={SECRETS['hf']}"])
+        f"tracking.tags.api_key={SECRETS['hf']}", f"nodes.dpo.launcher.env.HF_TOKEN={SECRETS['hf']}",
+        f"nodes.dpo.tracking.tracking_uri=postgresql://mlflow:{SECRETS['pw']}@db:5432/mlflow"])
+
+
+def _spec(cfg, name: str):
+    """Node `name`'s stage spec, its inputs finished in their default dirs."""
+    dag = PipelineDAG(cfg)
+    return dag.spec(name, {u: Upstream(str(dag.output_dir(u)), "digest") for u in dag.inputs(name)})
 
 
 def test_secrets_are_masked_in_logged_params():
@@ -238,8 +246,10 @@ def test_secrets_are_masked_in_logged_params():
     cfg = _secret_config()
     params = flatten_params(dump_config(cfg))  # what stage_run logs to MLflow
     assert params["launcher.env.HF_TOKEN"] == "***" and params["tracking.tracking_uri"] == "postgresql://mlflow:***@db:5432/mlflow"
-    stage = flatten_params(dump_config(PipelineDAG(cfg).spec("sft_student")))
-    for flat in (params, stage):
+    stage = flatten_params(dump_config(_spec(cfg, "student")))  # the pipeline's launcher and tracking
+    own = flatten_params(dump_config(_spec(cfg, "dpo")))  # the node's own
+    assert own["launcher.env.HF_TOKEN"] == "***" and params["nodes.dpo.launcher.env.HF_TOKEN"] == "***"
+    for flat in (params, stage, own):
         assert not [k for k, v in flat.items() if any(s in v for s in SECRETS.values())]
     error = f"OperationalError: could not connect to postgresql://mlflow:{SECRETS['pw']}@db/mlflow"
     assert SECRETS["pw"] not in mask_secrets(error)  # the text of a failed run's error tag
@@ -251,7 +261,7 @@ def test_stage_manifest_stores_no_secrets(tmp_path):
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "weights.bin").write_bytes(b"x")
-    cfg = dump_config(PipelineDAG(_secret_config()).spec("sft_student"))
+    cfg = dump_config(_spec(_secret_config(), "student"))
     m = write_manifest(tmp_path, "sft", {"model": "model"}, config=cfg, metrics={"loss": 1.0})
     text = (tmp_path / "manifest.json").read_text()
     assert m["config_digest"] and not any(s in text for s in SECRETS.values())  # a digest, not the config
@@ -260,7 +270,7 @@ def test_stage_manifest_stores_no_secrets(tmp_path):
 def test_stage_spec_file_is_private(tmp_path):
     from core.config import to_json_file
 
-    path = to_json_file(PipelineDAG(_secret_config()).spec("sft_student"), tmp_path / "spec.json")
+    path = to_json_file(_spec(_secret_config(), "student"), tmp_path / "spec.json")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it must hold the tokens; only its owner reads it
 
 
@@ -303,11 +313,26 @@ def test_mlflow_artifact_paths_stay_in_the_run(bad):
 def test_config_paths_and_names_stay_in_the_workspace():
     from core.config import ConfigError, load_config
     from flows.config import PipelineConfig
+    from flows.demo import DEMO_CONFIG
 
-    for item in ["name=../x", "name=a/b", "workspace=runs/../..", "sft_teacher.output_dir=../../x",
-                 "dpo.output_dir=/etc", "evaluate.output_dir=a/../../../x"]:
-        with pytest.raises(ConfigError, match=item.split("=")[0]):
-            load_config(PipelineConfig, overrides=[item])
+    for item in ["name=../x", "name=a/b", "workspace=runs/../..", "nodes.teacher.output_dir=../../x",
+                 "nodes.dpo.output_dir=/etc", "nodes.evaluate.output_dir=a/../../../x",
+                 # inside the workspace, but a node clears its dir when its result changes:
+                 "nodes.dpo.output_dir=..", "nodes.dpo.output_dir=.", "nodes.dpo.output_dir=student",
+                 "nodes.dpo.output_dir=.locks", "nodes.a/b.kind=sft",
+                 'nodes.student.sweep={model.name_or_path: ["../../../../../x"]}']:
+        with pytest.raises(ConfigError, match=re.escape(item.split("=")[0].rsplit(".", 1)[0]
+                                                        if item.startswith("nodes.") else item.split("=")[0])):
+            load_config(PipelineConfig, DEMO_CONFIG, overrides=[item])
+    # the same, written in a file (the Prefect form's values are validated the same way)
+    data = yaml.safe_load(DEMO_CONFIG.read_text())
+    data["nodes"]["dpo"]["output_dir"] = "../../../etc"
+    with pytest.raises(ValueError, match=r"nodes\.dpo\.output_dir: .*escapes"):
+        PipelineConfig.model_validate(data)
+    data["nodes"]["dpo"].pop("output_dir")
+    for name in ("../x", "..", "a/b", "a\\b", ".locks"):  # a node's name is its directory's
+        with pytest.raises(ValueError, match=rf"nodes\.{re.escape(name)}: node names are letters"):
+            PipelineConfig.model_validate({**data, "nodes": {**data["nodes"], name: {"kind": "data_prep"}}})
 
 
 def test_slurm_script_cannot_be_injected():
@@ -320,10 +345,13 @@ def test_slurm_script_cannot_be_injected():
     from stages.launch.config import LauncherConfig
     from stages.launch import render_sbatch
 
+    from flows.demo import DEMO_CONFIG
+
     for item in [r'launcher.slurm.partition="gpu\nrm -rf ~"', r'launcher.slurm.extra_args=["--qos=high\ncurl x|sh"]',
-                 r'launcher.slurm.account="a\rb"', 'launcher.env={"A=1; curl x|sh; B": "1"}']:
+                 r'launcher.slurm.account="a\rb"', 'launcher.env={"A=1; curl x|sh; B": "1"}',
+                 r'nodes.dpo.launcher.slurm.partition="gpu\nrm -rf ~"', 'nodes.dpo.launcher.env={"A=1; curl x|sh; B": "1"}']:
         with pytest.raises(ConfigError, match=r"launcher\.(slurm|env)"):
-            load_config(PipelineConfig, overrides=[item])
+            load_config(PipelineConfig, DEMO_CONFIG, overrides=[item])
     value = "a b'; rm -rf ~; echo \"$(id)\"\nx"
     launcher = LauncherConfig(kind="slurm", env={"HF_TOKEN": value})
     script = render_sbatch("sft", Path("/tmp/spec.json"), launcher, workdir=Path("/tmp"))

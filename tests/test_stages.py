@@ -184,7 +184,7 @@ def test_evaluation_samples_differ_across_repetitions(prepared):
     from stages.evaluate import run
 
     out = prepared / "eval-samples"
-    run(EvalConfig(output_dir=str(out), model={"name_or_path": str(prepared / "student")}, compare_to=[],
+    run(EvalConfig(output_dir=str(out), models=[str(prepared / "student")],
                    data={"sources": [str(prepared / "data")]}, tracking=OFF, max_examples=4, num_samples=3,
                    temperature=1.0, max_new_tokens=8))
     samples = json.loads((out / "samples.json").read_text())
