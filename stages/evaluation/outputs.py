@@ -48,14 +48,16 @@ def table_of(samples: list[dict[str, Any]]) -> dict[str, list]:
     return cols
 
 
-def log_table(tracker: Any, samples: list[dict[str, Any]]) -> None:
+def log_table(tracker: Any, samples: list[dict[str, Any]], client: Any = None) -> None:
+    """The samples as an MLflow table of the tracker's run (`client`: an MlflowClient to reuse)."""
     if not tracker.run_id or not samples:
         return
     try:
         from mlflow import MlflowClient
 
         tracker.flush(timeout=60)
-        MlflowClient(tracker.tracking_uri).log_table(tracker.run_id, data=table_of(samples), artifact_file=TABLE)
+        client = client or MlflowClient(tracker.tracking_uri)
+        client.log_table(tracker.run_id, data=table_of(samples), artifact_file=TABLE)
     except Exception as e:  # an outage or a value pandas cannot hold: the JSON artifact still has them
         log.warning("evaluate: samples table not logged to MLflow run %s: %s: %s", tracker.run_id,
                     type(e).__name__, e)
@@ -66,6 +68,9 @@ def model_runs(cfg: EvalConfig, stage: Any, names: list[str], results: dict[str,
     """One nested MLflow run per evaluated model under the stage's run: {name: run id}."""
     if not stage.run_id or cfg.tracking is None:
         return {}
+    from mlflow import MlflowClient
+
+    client = MlflowClient(stage.tracking_uri)
     ids: dict[str, str] = {}
     for i, (name, path) in enumerate(zip(names, cfg.models)):
         run = Tracker(cfg.tracking, run_name=f"evaluate/{name}", parent_run_id=stage.run_id,
@@ -74,7 +79,7 @@ def model_runs(cfg: EvalConfig, stage: Any, names: list[str], results: dict[str,
             run.log_params({"model": path, "name": name, "index": i})
             run.log_metrics(results[name], step=0)
             if cfg.save_samples:
-                log_table(run, [s for s in samples if s["model"] == name])
+                log_table(run, [s for s in samples if s["model"] == name], client)
             run.flush(timeout=60)
         finally:
             run.end()
