@@ -64,7 +64,6 @@ def evaluate_model(m: Model, cfg: EvalConfig, data: EvalData, plan: Plan, scorer
     """Records of one model over all rows (gathered): gen {row: GenRecord}, nll, pairs."""
     model = m.load(cfg, d)
     out: dict[str, dict[int, Any]] = {"gen": {}, "nll": {}, "pairs": {}}
-    errors: list[str] = []
     if plan.generates:
         local, errors = generate_records(model, m.tok, m.enc, data, cfg, d, scorer, advance)
         raise_errors(d, errors)
@@ -169,7 +168,7 @@ def _run(cfg: EvalConfig, d: Dist) -> dict:
         if d.is_main:
             counts = {"prompts": len(data.prompts), "samples_per_prompt": cfg.num_samples,
                       "completions": len(data.completions), "pairs": len(data.pairs),
-                      "rows_skipped": data.dropped.total_dropped}
+                      "bad_rows_skipped": data.dropped.total_dropped}
             manifest = write_outputs(cfg, out, tracker, names, results, M.flat_metrics(results, names),
                                      samples_of(records, data, cfg), counts, plan.metrics, selected)
         d.barrier()

@@ -188,7 +188,7 @@ def test_outputs_manifest_selected_and_samples(side_by_side, tiny, user_data):
     results = json.loads((out / "results.json").read_text())
     assert results["results"] == manifest["results"] and results["selected"] == manifest["selected"]
     assert results["counts"] == {"prompts": 6, "samples_per_prompt": 1, "completions": 6, "pairs": 4,
-                                 "rows_skipped": 0}
+                                 "bad_rows_skipped": 0}
     samples = json.loads((out / "samples.json").read_text())
     assert len(samples) == 12 and set(manifest["outputs"]) == {"results", "samples"}
     first = next(s for s in samples if s["model"] == "beta" and s["index"] == 1)
@@ -333,6 +333,16 @@ def test_bad_data_is_a_clear_error_before_any_model_loads(tiny, tmp_path, no_mod
     for pattern in expected:
         assert re.search(pattern, str(err.value)), str(err.value)
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_bad_rows_can_be_skipped_and_counted(tiny, tmp_path):
+    from stages.evaluate import run
+
+    src = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "hi", "answer": "1"}, '{"prompt": ', {"prompt": "ho",
+                                                                                                 "answer": "2"}])
+    m = run(EvalConfig(output_dir=str(tmp_path / "out"), models=[str(tiny / "alpha")], data={
+        "sources": [str(src)], "on_bad_row": "skip"}, metrics=["exact_match"], max_new_tokens=2, tracking=OFF))
+    assert m["counts"]["bad_rows_skipped"] == 1 and m["counts"]["prompts"] == 2
 
 
 def test_a_missing_model_is_named_before_any_model_loads(tiny, user_data, tmp_path, no_model_loads):
