@@ -184,9 +184,10 @@ def test_evaluation_samples_differ_across_repetitions(prepared):
     from stages.evaluate import run
 
     out = prepared / "eval-samples"
-    run(EvalConfig(output_dir=str(out), model={"name_or_path": str(prepared / "student")}, compare_to=[],
-                   data={"sources": [str(prepared / "data")]}, tracking=OFF, max_examples=4, num_samples=3,
-                   temperature=1.0, max_new_tokens=8))
+    m = run(EvalConfig(output_dir=str(out), models=[str(prepared / "student")], data=str(prepared / "data"),
+                       tracking=OFF, max_examples=4, num_samples=3, pass_k=[1, 3], temperature=1.0, max_new_tokens=8))
+    # data prep's test split: SFT rows (answer: exact match; completion: perplexity) and pairs
+    assert {"exact_match", "pass@3", "perplexity", "preference_accuracy"} <= set(m["results"]["student"])
     samples = json.loads((out / "samples.json").read_text())
     by_prompt: dict[str, list[str]] = {}
     for s in samples:
