@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from core.data.config import DataConfig
 from core.parallel.config import ParallelConfig
 from stages.config import TrainStageConfig
-from core.data import build_loader, load_documents, load_pairs, load_splits
+from core.data import build_loader, load_documents, load_splits
 from core.data.encode import Document, PreferencePair
 from core.data.errors import DropStats
 from core.data.sampler import StatefulLoader
@@ -38,11 +38,6 @@ def sft_documents(sources: list[str], split: str, tok, cfg) -> list[Document]:
     """Tokenized SFT documents of `split`: data prep's Parquet (stored labels) for a data-prep
     stage dir; raw user sources are validated, tokenized and split here by content hash."""
     return load_documents(sources, split, tok, cfg)
-
-
-def preference_pairs(sources: list[str], split: str, tok=None, cfg=None) -> list[tuple[PreferencePair, dict]]:
-    """(pair, row) of `split`, with data prep's stored labels; raw sources need tok and cfg."""
-    return load_pairs(sources, split, tok, cfg)
 
 
 def stage_data(sources: list[str], task: str, tok, cfg: DataConfig) -> tuple[list, list, DropStats]:
