@@ -393,6 +393,37 @@ def test_on_policy_judge_reward_is_its_mean_log_likelihood(tmp_path, tok, tok_di
     assert len(spy["val"]) == sum(r["skipped"] is None for r in val) == m["on_policy/val_pairs"]
 
 
+def test_on_policy_validation_pairs_are_the_datas_own_or_sampled(tmp_path, tok, tok_dir, spy):
+    """Data prep's SFT output gives prompts for both splits (validation pairs sampled, rows named by
+    their Parquet row); a user's preference file gives training prompts and, for validation, its
+    own pairs of the val_fraction share, as offline DPO would split and tokenize them."""
+    from stages.data_prep import prepare
+    from stages.config import DataPrepConfig
+    from stages.dpo import run
+
+    sft = [{"messages": USER(f"what is {w} plus {i}") + BOT(f"{i} {w}"), "answer": f"{i} {w}"}
+           for i, w in enumerate(WORDS)]
+    prep = tmp_path / "prep"
+    prepare(DataPrepConfig(output_dir=str(prep), sources=[str(write_jsonl(tmp_path / "sft.jsonl", sft))],
+                           synthetic_size=0, tokenizer=tok_dir, val_fraction=0.4, test_fraction=0.0, tracking=OFF))
+    prefs = pref_rows("conv", 10, seed=3)
+    pref_file = write_jsonl(tmp_path / "pref.jsonl", [{**r, "answer": "four"} for r in prefs])
+    cfg = dpo_cfg(tmp_path, [prep, pref_file], tok_dir=tok_dir, pairs="on_policy", num_samples=2, max_new_tokens=3,
+                  max_steps=None, data={"val_fraction": 0.5}, reward="test_user_data:length_reward")
+    m = run(cfg)["metrics"]
+    train, val = records(tmp_path), records(tmp_path, "validation")
+    assert {Path(r["where"].split(" row ")[0]).name for r in val} == {"sft_validation.parquet"}
+    assert {Path(r["where"].rsplit(" ", 2)[0]).name for r in train} == {"sft_train.parquet", "pref.jsonl"}
+    n_train = sum(assign_split(split_key(validate_row(r, "preference")), 0.5) == "train" for r in prefs)
+    own = [hand_pair(tok, r)[1:] for r in prefs if assign_split(split_key(validate_row(r, "preference")), 0.5)
+           == "validation"]
+    assert own and 0 < n_train < len(prefs)
+    assert sum("pref.jsonl line" in r["where"] for r in train) == n_train  # its training share only
+    got = [as_tuple(p)[1:] for p in spy["val"]]
+    assert sorted(got[:len(own)]) == sorted(own)  # the file's own pairs, then the sampled ones
+    assert len(got) - len(own) == m["on_policy/val_pairs"] == sum(r["skipped"] is None for r in val) > 0
+
+
 def test_judge_must_share_the_policys_vocabulary(tmp_path, tok_dir, models):
     from stages.dpo import run
 
