@@ -9,7 +9,8 @@ encode_prompt_completion encodes it.
 
 The reward (DPOConfig):
   judge      set: a completion's reward is the judge model's mean per-token log-likelihood of it
-             given the prompt; the judge must share the policy's vocabulary
+             (its sampled tokens, the stop token included) given the prompt's tokens; the judge
+             must share the policy's vocabulary
   reward     'exact_match' / 'normalized_match' against row[reference_column], or a verifier
              'module:function(prompt, completion, row) -> float' (core.rewards.load_verifier)
 A verifier gets the prompt as text (the last user turn), the completion decoded without special
