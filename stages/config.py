@@ -159,7 +159,8 @@ class DPOConfig(TrainStageConfig):
                                        "by the LoRA base ('disable_adapter'), or by a frozen copy of the starting "
                                        "model run beside the policy ('model').")
     pairs: Literal["offline", "on_policy"] = Field(
-        "offline", description="Pairs from the data, or policy samples ranked by the task verifier.")
+        "offline", description="Pairs from the data, or the policy's samples for the data's prompts ranked by "
+                              "`judge` or `reward` (best = chosen, worst = rejected).")
     num_samples: int = Field(4, ge=2, description="On-policy samples per prompt.")
     max_new_tokens: int = Field(64, gt=0, description="On-policy generation length.")
     gen_temperature: float = Field(1.0, gt=0, description="On-policy sampling temperature.")

@@ -43,7 +43,8 @@ def run_prep(tmp_path, sources, tok_dir, name="prep", **kw):
 
 
 def test_encoder_labels_survive_parquet_into_the_stages_batches(tmp_path, tok_dir):
-    from stages.training import doc_loader, pair_loader, preference_pairs, sft_documents
+    from core.data import load_pairs
+    from stages.training import doc_loader, pair_loader, sft_documents
 
     tok = make_tokenizer()
     srcs = [write_jsonl(tmp_path / "sft.jsonl", [SFT]), write_jsonl(tmp_path / "pref.jsonl", [PREF])]
@@ -59,7 +60,7 @@ def test_encoder_labels_survive_parquet_into_the_stages_batches(tmp_path, tok_di
     assert want_pair.chosen_labels != want_pair.chosen_ids and want_pair.rejected_labels != want_pair.rejected_ids
 
     (doc,) = sft_documents([str(out)], "train", tok, DataConfig(max_seq_len=128))
-    ((pair, row),) = preference_pairs([str(out)], "train")
+    ((pair, row),) = load_pairs([str(out)], "train")
     assert doc == want_doc and pair == want_pair
     assert row["prompt"] == PROMPT and row["chosen_labels"] == want_pair.chosen_labels  # the row keeps its fields
 

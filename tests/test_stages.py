@@ -83,6 +83,9 @@ def test_dpo_raises_implicit_reward_accuracy(prepared, pairs, reference):
     assert (out / "adapter" / "adapter_config.json").exists() and (out / "model" / "config.json").exists()
     if reference == "precomputed":
         assert list((out / "reference").glob("ref_logps-*.safetensors"))
+    if pairs == "on_policy":  # data prep's preference rows as prompts, exact match against their answer
+        assert m["on_policy/pairs"] == m["train_pairs"] > 0 and 0 < m["on_policy/pair_share"] <= 1
+        assert (out / "on_policy" / "train.jsonl").exists()
 
 
 def _launch_sft(prepared: Path, out: Path, **kw):
