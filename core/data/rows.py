@@ -94,7 +94,12 @@ def prompt_rows(sources: Any, split: str = "test", on_bad_row: str = "error",
         if is_prepared(src):
             kinds = [task] if task else ["sft", "preference"]
             for kind in kinds:
-                files = prepared_files(src, kind, split)
+                try:
+                    files = prepared_files(src, kind, split)
+                except DataError:
+                    if task is not None:
+                        raise
+                    continue  # this kind was not prepared: try the next
                 if not files and task is None:
                     continue
                 for i, r in enumerate(read_rows(src, kind, split)):
