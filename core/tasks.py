@@ -1,9 +1,9 @@
 """The embedded default data: a suite of small tasks with exact, checkable answers.
 
 Each task turns a random instance into a prompt and its one correct answer, and offers a
-plausible wrong answer for preference pairs. `verify` is the reward the DPO stage uses for
-on-policy pairs and the metric the evaluation stage reports (exact match), so every stage of
-the demo pipeline has a number that can rise.
+plausible wrong answer for preference pairs. Rows carry the answer in their `answer` column,
+which the built-in rewards (core.rewards: exact_match, DPO's default on-policy reward) compare
+completions against, so every stage of the demo pipeline has a number that can rise.
 """
 
 from __future__ import annotations

@@ -29,12 +29,15 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ValidationError
 
-from flows.config import NODE_CLASSES, PipelineConfig, node_error, stage_spec
+from flows.nodes import NODE_CLASSES, node_error, stage_spec
 from stages.config import StageConfig, check_layout
+
+if TYPE_CHECKING:
+    from flows.config import PipelineConfig
 
 Role = Literal["model", "teacher", "judge", "evaluated", "data"]
 TRAIN_KINDS = ("sft", "distill", "dpo")

@@ -200,6 +200,7 @@ class PipelineResult:
     stages: dict[str, StageResult]  # by node name, in DAG order
     parent_run_id: str | None
     registered: dict[str, Any] | None = None
+    leases: list[dict] = field(default_factory=list)  # which devices each launched node held, when
 
 
 def check_resources(dag: PipelineDAG) -> None:
@@ -270,8 +271,10 @@ def post_training(config: PipelineConfig) -> PipelineResult:
         from flows.report import log_reports
 
         log_reports(cfg, results, parent)
+        leases = release_pool(flow_run_id)
+        parent.log_dict(leases, "device_leases.json")
         parent.end("FINISHED")
-        return PipelineResult(True, results, parent_id, registered)
+        return PipelineResult(True, results, parent_id, registered, leases)
     except BaseException as e:
         parent.set_tags({"posttrain.error": f"{type(e).__name__}: {e}"[:5000]})
         parent.end("FAILED")

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 
 log = logging.getLogger("posttrain.resources")
@@ -44,7 +45,7 @@ class DevicePool:
         self.share_gpus = share_gpus
         self._free = {"gpu": list(range(gpus)), "cpu": list(range(cpu_slots))}
         self._cond = threading.Condition()
-        self.history: list[tuple[str, str, tuple[int, ...]]] = []  # (node, kind, ids), in grant order
+        self.history: list[dict] = []  # {node, kind, ids, start, end} per lease, in grant order
 
     def check(self, kind: str, n: int, node: str) -> None:
         if n > self.total[kind]:
@@ -63,11 +64,13 @@ class DevicePool:
                 log.info("%s waits for %d free %s slot(s)", node, n, kind)
                 self._cond.wait()
             ids, self._free[kind] = self._free[kind][:n], self._free[kind][n:]
-            self.history.append((node, kind, tuple(ids)))
+            entry = {"node": node, "kind": kind, "ids": list(ids), "start": time.time(), "end": None}
+            self.history.append(entry)
         try:
             yield ids
         finally:
             with self._cond:
+                entry["end"] = time.time()
                 self._free[kind] = sorted(self._free[kind] + ids)
                 self._cond.notify_all()
 
@@ -93,6 +96,8 @@ def pool_for(run_id: str, gpus: int, cpu_slots: int, share_gpus: bool) -> Device
         return _POOLS[run_id]
 
 
-def release_pool(run_id: str) -> None:
+def release_pool(run_id: str) -> list[dict]:
+    """Forget a finished flow run's pool; returns its lease history."""
     with _POOLS_LOCK:
-        _POOLS.pop(run_id, None)
+        pool = _POOLS.pop(run_id, None)
+    return pool.history if pool is not None else []

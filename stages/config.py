@@ -159,7 +159,8 @@ class DPOConfig(TrainStageConfig):
                                        "by the LoRA base ('disable_adapter'), or by a frozen copy of the starting "
                                        "model run beside the policy ('model').")
     pairs: Literal["offline", "on_policy"] = Field(
-        "offline", description="Pairs from the data, or policy samples ranked by the task verifier.")
+        "offline", description="Pairs from the data, or the policy's samples for the data's prompts ranked by "
+                              "`judge` or `reward` (best = chosen, worst = rejected).")
     num_samples: int = Field(4, ge=2, description="On-policy samples per prompt.")
     max_new_tokens: int = Field(64, gt=0, description="On-policy generation length.")
     gen_temperature: float = Field(1.0, gt=0, description="On-policy sampling temperature.")
@@ -186,12 +187,27 @@ class DPOConfig(TrainStageConfig):
 
 
 class SelectConfig(ConfigModel):
-    metric: str = Field("exact_match", description="Evaluation metric the best model is chosen by.")
-    mode: Literal["max", "min"] = Field("max", description="Higher or lower is better.")
+    metric: str = Field(
+        "exact_match", description="Evaluation metric key the best model is chosen by: a metric (exact_match, "
+                                   "pass@1, perplexity, ...) or a breakdown such as 'exact_match/task=add'.")
+    mode: Literal["max", "min"] = Field("max", description="Higher or lower is better (perplexity, nll: min).")
 
 
 EVAL_METRICS = ("exact_match", "normalized_match", "reward", "pass@k", "perplexity", "preference_accuracy",
                 "win_rate")
+"""What EvalConfig.metrics may name. `perplexity` also gives `nll`; `pass@k` gives `pass@<k>` for each
+k of pass_k; `win_rate` gives `win_rate/<other model>`."""
+
+LOWER_IS_BETTER = ("perplexity", "nll")
+
+
+def metric_family(key: str) -> str:
+    """The EVAL_METRICS entry that produces a metric key: 'pass@1/task=add' -> 'pass@k',
+    'nll' -> 'perplexity', 'win_rate/sft' -> 'win_rate'."""
+    base = key.split("/", 1)[0]
+    if base.startswith("pass@"):
+        return "pass@k"
+    return "perplexity" if base == "nll" else base
 
 
 class EvalConfig(StageConfig):
@@ -208,10 +224,12 @@ class EvalConfig(StageConfig):
     split: Literal["validation", "test"] = Field(
         "test", description="Split of data prep's output evaluated (a user's file is evaluated whole).")
     metrics: list[Literal[EVAL_METRICS]] | None = Field(  # type: ignore[valid-type]
-        None, description="Metrics computed; None = every one the data and settings allow.")
+        None, description="Metrics computed; None = every one the data and settings allow. One the data cannot "
+                          "give (no reference column, no pairs, no completions) is an error before models load.")
     reference_column: str = Field("answer", description="Row field generations are checked against.")
     verifier: str | None = Field(
-        None, description="'module:function(prompt, completion, row) -> float': metric `reward` (mean score).")
+        None, description="'exact_match', 'normalized_match' or 'module:function(prompt, completion, row) -> "
+                          "float': metric `reward` (mean score); it also scores samples for pass@k and win rates.")
     pass_k: list[int] = Field([1], description="k of pass@k (unbiased estimator over num_samples samples).")
     judge: str | None = Field(
         None, description="Model judging win rates by its log-likelihood of each completion; None = the verifier "
@@ -233,6 +251,8 @@ class EvalConfig(StageConfig):
     def _check(self) -> EvalConfig:
         if self.num_samples > 1 and self.temperature == 0:
             raise ValueError("num_samples > 1 with temperature=0 repeats one greedy sample")
+        if any(k < 1 for k in self.pass_k):
+            raise ValueError(f"pass_k={self.pass_k}: every k must be >= 1")
         if max(self.pass_k, default=1) > self.num_samples:
             raise ValueError(f"pass_k={self.pass_k} needs num_samples >= {max(self.pass_k)}")
         split = [f"parallel.{k}={getattr(self.parallel, k)}" for k in ("tp", "pp", "cp", "ep")
@@ -240,9 +260,55 @@ class EvalConfig(StageConfig):
         if split:
             raise ValueError(f"{', '.join(split)}: evaluation splits the examples over data-parallel ranks, "
                              "each holding the whole model; set them to 1")
+        self._check_metrics()
         if self.launcher is not None:
             check_layout(self.parallel, self.launcher)
         return self
+
+    def _check_metrics(self) -> None:
+        """Metric combinations that cannot work whatever the data (the data's own checks run in the
+        stage, before any model loads)."""
+        asked = set(self.metrics) if self.metrics is not None else None
+        if asked is not None and not asked:
+            raise ValueError("metrics: [] computes nothing; list metrics or leave it unset (all the data allows)")
+        if self.verifier is not None:
+            from core.rewards import BUILTIN
+
+            if self.verifier not in BUILTIN and ":" not in self.verifier.strip(":"):
+                raise ValueError(f"verifier={self.verifier!r}: give {' or '.join(BUILTIN)}, or 'module:function'")
+        if asked is not None and "reward" in asked and self.verifier is None:
+            raise ValueError("metrics: reward is the mean score of `verifier`; set verifier "
+                             "('module:function' or a built-in)")
+        if asked is not None and "win_rate" in asked and len(self.models) < 2:
+            raise ValueError(f"metrics: win_rate compares models[0] with the others; models has {len(self.models)}")
+        if self.judge is not None:
+            if len(self.models) < 2:
+                raise ValueError("judge decides win rates between models; evaluate at least 2 models")
+            if asked is not None and "win_rate" not in asked:
+                raise ValueError("judge only decides win_rate; add win_rate to metrics or unset judge")
+        if self.select is not None:
+            key = self.select.metric
+            family = metric_family(key)
+            base = key.split("/", 1)[0]
+            if family == "win_rate":
+                raise ValueError("select.metric: win rates are measured for models[0] against the others, so they "
+                                 "cannot rank every model; select by another metric")
+            known = {"exact_match", "normalized_match", "reward", "perplexity", "nll", "preference_accuracy",
+                     *(f"pass@{k}" for k in self.pass_k)}
+            if base not in known:
+                raise ValueError(f"select.metric={key!r}: not a metric this evaluation computes "
+                                 f"(one of {', '.join(sorted(known))}, optionally '/<group_by>=<value>')")
+            if asked is not None and family not in asked:
+                raise ValueError(f"select.metric={key!r} needs {family!r} in metrics")
+            if family == "reward" and self.verifier is None:
+                raise ValueError(f"select.metric={key!r} needs a verifier")
+            if "/" in key:
+                group = key.split("/", 1)[1].partition("=")[0]
+                if self.group_by is None or group != self.group_by or "=" not in key:
+                    raise ValueError(f"select.metric={key!r}: a breakdown key is '<metric>/{self.group_by}=<value>' "
+                                     f"(group_by={self.group_by!r})")
+            if base in LOWER_IS_BETTER and self.select.mode == "max":
+                raise ValueError(f"select.metric={key!r} is lower-is-better; set select.mode: min")
 
 
 STAGE_CONFIGS: dict[str, type[StageConfig]] = {

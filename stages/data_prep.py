@@ -69,6 +69,18 @@ def _texts(example: Example) -> list[str]:
     return out
 
 
+_STRUCTURAL = {"messages", "prompt", "completion", "chosen", "rejected", "input_ids", "labels", "prompt_ids",
+               "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}
+
+
+def extra_columns(row: Any) -> dict[str, Any]:
+    """A user row's other scalar columns (a reference `answer`, a `task`, an id), kept beside the
+    tokens so evaluation and on-policy rewards can read them from data prep's output."""
+    if not isinstance(row, dict):
+        return {}
+    return {k: v for k, v in row.items() if k not in _STRUCTURAL and isinstance(v, (str, int, float, bool))}
+
+
 def _task(example: Example) -> str:
     return "preference" if isinstance(example, Preference) else "sft"
 
@@ -123,7 +135,8 @@ def prepare(cfg: DataPrepConfig) -> dict[str, Any]:
     for src in cfg.sources:
         stats = DropStats()
         task = for_each_example([src], cfg.format, cfg.on_bad_row, stats,
-                                lambda source, ex: add(ex, dataclasses.asdict(ex), source.split), require_rows=False)
+                                lambda source, ex, row: add(ex, {**extra_columns(row), **dataclasses.asdict(ex)},
+                                                            source.split), require_rows=False, with_row=True)
         drops.update({f"{task or 'unknown'}:{reason}": n for reason, n in stats.dropped.items()})
     for i, e in enumerate(suite):
         for row in (e.sft_row(), e.preference_row()):
@@ -145,7 +158,12 @@ def prepare(cfg: DataPrepConfig) -> dict[str, Any]:
                 continue
             key = output_key(task, split)
             rel = f"data/{key}.parquet"
-            pq.write_table(pa.Table.from_pylist(recs), out / rel)
+            try:
+                table = pa.Table.from_pylist(recs)
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:  # e.g. a column holding numbers and strings
+                raise DataError(f"the rows' extra columns do not form one table: {e}",
+                                source=", ".join(cfg.sources)) from None
+            pq.write_table(table, out / rel)
             outputs[key] = rel
             metrics[f"rows/{key}"] = len(recs)
         if lengths[task]:

@@ -7,6 +7,12 @@ Modes:
   offline    the teacher's top-k log-probs on the training data, computed once into a cached,
              versioned artifact (keyed by data, teacher and k) that later runs reuse
 
+The data is data prep's output or the user's own SFT files (TRL messages or prompt/completion, in
+JSONL, Parquet or `datasets` directories; split by data.val_fraction where they name no split),
+every row validated and tokenized before training. on_policy samples the student for each
+document's prompt: everything before its final completion (the last assistant reply), taken from
+the same rows whatever data.mask_prompt.
+
 Reports the teacher's share of the step time (time/teacher_frac), and the student's sampling
 share in on_policy mode (time/student_sampling_frac).
 
@@ -24,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stages.config import DistillConfig
-from core.data.encode import Document
+from core.data.encode import Document, last_run_start
 from core.data.packing import collate_padding_free
 from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk
 from core.manifest import digest
@@ -33,7 +39,7 @@ from core.objectives import CHUNK, distill_objective
 from core.trainer import LossOutput
 from stages.common import Dist, StageError, load_model, parse_spec
 from stages.recipe import Plan, Session, run_training
-from stages.training import DeviceLoader, doc_loader, mean_loss, sampling, sft_documents, to_device
+from stages.training import DeviceLoader, doc_loader, drop_metrics, mean_loss, sampling, stage_data, to_device
 
 log = logging.getLogger("posttrain.distill")
 
@@ -52,16 +58,18 @@ class TimedTeacher(torch.nn.Module):
 
 
 def prompt_of(doc: Document) -> list[int]:
-    first = next(i for i, l in enumerate(doc.labels) if l != IGNORE_INDEX)
-    return doc.input_ids[:first]
+    """The tokens before the document's final completion (its last run of trained labels)."""
+    trained = [label != IGNORE_INDEX for label in doc.labels]
+    return doc.input_ids[:last_run_start(trained)] if any(trained) else []
 
 
 class OnPolicyMix:
-    """Replaces a share of the loader's micro-batches by the student's samples for their prompts.
-    The draw uses Python's `random` seeded per step, so a resumed run draws the same mix."""
+    """Replaces a share of the loader's micro-batches by the student's samples for their prompts
+    (`prompts[i]`: document i's). The draw uses Python's `random` seeded per step, so a resumed run
+    draws the same mix."""
 
-    def __init__(self, loader, session: Session):
-        self.loader, self.session = loader, session
+    def __init__(self, loader, session: Session, prompts: list[list[int]]):
+        self.loader, self.session, self.prompts = loader, session, prompts
         self.student, self.tok, self.cfg, self.device = session.model, session.tok, session.cfg, session.dist.device
         self.samples = 0
 
@@ -73,9 +81,7 @@ class OnPolicyMix:
 
     @torch.no_grad()
     def _student_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
-        ids, cu = batch["input_ids"][0].tolist(), batch["cu_seqlens"].tolist()
-        labels = batch["labels"][0].tolist()
-        prompts = [prompt_of(Document(ids[a:b], labels[a:b])) for a, b in zip(cu[:-1], cu[1:])]
+        prompts = [self.prompts[i] for i in batch["doc_indices"]]
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=1.0,
                                 stop_token_ids=tuple(self.tok.eos_ids))
         with sampling(self.student, self.cfg.parallel), self.session.phase("student_sampling"):
@@ -162,8 +168,20 @@ class Distill:
             raise StageError(f"distill: teacher vocab {teacher.args.vocab_size} != student vocab "
                              f"{student.args.vocab_size}; they must share the tokenizer")
         timed = TimedTeacher(teacher, s)
-        train_docs = sft_documents(cfg.data.sources, "train", tok, cfg.data)
-        val_docs = sft_documents(cfg.data.sources, "validation", tok, cfg.data)
+        # on_policy reads the prompts off the completion masks, so the rows are loaded masked
+        data = cfg.data.model_copy(update={"mask_prompt": True}) if cfg.mode == "on_policy" else cfg.data
+        train_docs, val_docs, stats = stage_data(cfg.data.sources, "sft", tok, data)
+        prompts: list[list[int]] = []
+        if cfg.mode == "on_policy":
+            prompts = [prompt_of(doc) for doc in train_docs]
+            if not all(prompts):
+                i = next(i for i, p in enumerate(prompts) if not p)
+                text = tok.decode(train_docs[i].input_ids)[:80]
+                raise StageError(f"distill: mode='on_policy' samples a completion for each prompt, but training "
+                                 f"document {i} ({text!r}) has no tokens before its completion")
+            if not cfg.data.mask_prompt:
+                train_docs = [Document(x.input_ids, list(x.input_ids)) for x in train_docs]
+                val_docs = [Document(x.input_ids, list(x.input_ids)) for x in val_docs]
         base = doc_loader(train_docs, cfg.data, d, epochs=cfg.epochs)
         online = distill_objective(timed, cfg.divergence, cfg.temperature, cfg.jsd_beta, cfg.ce_weight)
         teacher_id = (teacher_manifest or {}).get("digest", cfg.teacher.name_or_path)
@@ -171,7 +189,7 @@ class Distill:
             topk = teacher_topk(teacher, train_docs, cfg.top_k, s.out / "teacher_cache", teacher_id, d)
             objective, train = offline_objective(cfg, topk), DeviceLoader(base, d.device)
         elif cfg.mode == "on_policy":
-            objective, train = online, OnPolicyMix(DeviceLoader(base, d.device), s)
+            objective, train = online, OnPolicyMix(DeviceLoader(base, d.device), s, prompts)
         else:
             objective, train = online, DeviceLoader(base, d.device)
 
@@ -182,7 +200,8 @@ class Distill:
             return {"val/kl": mean_loss(student, val, online, d)}
 
         def summary() -> dict[str, float]:
-            return {"on_policy/samples": train.samples} if isinstance(train, OnPolicyMix) else {}
+            extra = {"on_policy/samples": train.samples} if isinstance(train, OnPolicyMix) else {}
+            return {**extra, **drop_metrics(stats)}
 
         return Plan(train, objective, validate, inputs={"teacher": teacher_id}, summary=summary)
 

@@ -1,8 +1,11 @@
-"""Direct preference optimization (and IPO, hinge, robust, SimPO): offline pairs from data, or
-on-policy pairs the policy samples itself and the task verifier ranks (best = chosen, worst =
-rejected). The reference (`reference`) is the base under `disable_adapter()` for LoRA policies,
-a frozen copy of the starting model (any policy: full fine-tuning too), or log-probs precomputed
-once and cached beside the outputs. Chosen and rejected share one forward.
+"""Direct preference optimization (and IPO, hinge, robust, SimPO): offline pairs from the data
+(data prep's output, or the user's preference files: prompt/chosen/rejected as messages or plain
+strings, or implicit-prompt chosen/rejected, in JSONL, Parquet or `datasets` directories, split by
+data.val_fraction where they name no split), or on-policy pairs the policy samples itself for the
+data's prompts and a reward ranks (best = chosen, worst = rejected: stages/on_policy.py). The
+reference (`reference`) is the base under `disable_adapter()` for LoRA policies, a frozen copy of
+the starting model (any policy: full fine-tuning too), or log-probs precomputed once and cached
+beside the outputs. Chosen and rejected share one forward.
 
     torchrun --nproc-per-node 2 -m stages.dpo --config spec.json
 """
@@ -10,9 +13,7 @@ once and cached beside the outputs. Chosen and rejected share one forward.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,45 +22,13 @@ from stages.config import DPOConfig
 from core.data.encode import PreferencePair
 from core.lora import disable_adapter
 from core.manifest import digest
-from core.model.generate import SamplingParams, generate
 from core.objectives import dpo_objective, pair_logps
-from core.tasks import verify
 from stages.common import Dist, StageError, load_model, parse_spec
+from stages.on_policy import on_policy_pairs
 from stages.recipe import Plan, Session, run_training
-from stages.training import DeviceLoader, pair_loader, preference_pairs, sampling, to_device
+from stages.training import DeviceLoader, drop_metrics, pair_loader, stage_data, to_device
 
 log = logging.getLogger("posttrain.dpo")
-
-
-@torch.no_grad()
-def on_policy_pairs(model, tok, rows: list[dict[str, Any]], cfg: DPOConfig, d: Dist) -> list[PreferencePair]:
-    """Sample `num_samples` completions per prompt, score them with the task verifier, keep
-    (best, worst) where they differ. Every rank samples the same prompts with the same seed, so
-    the pair list is identical everywhere without a gather."""
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.gen_temperature,
-                            stop_token_ids=tuple(tok.eos_ids), seed=cfg.seed)
-    pairs = []
-    model.eval()
-    for i in range(0, len(rows), 32):
-        chunk = rows[i : i + 32]
-        prompts = [r["prompt_ids"] for r in chunk for _ in range(cfg.num_samples)]
-        with sampling(model, cfg.parallel):
-            gens = generate(model, prompts, params, pad_id=tok.pad_id or 0)
-        for j, r in enumerate(chunk):
-            cands = gens[j * cfg.num_samples : (j + 1) * cfg.num_samples]
-            scored = sorted(cands, key=lambda g: -verify(r["answer"], tok.decode(g.tokens, skip_special_tokens=True)))
-            best, worst = scored[0], scored[-1]
-            if verify(r["answer"], tok.decode(best.tokens, skip_special_tokens=True)) == 0:
-                # no sample solved it: the known answer is the chosen side (as in rejection sampling)
-                best_ids, best_labels = r["chosen_ids"], r["chosen_labels"]
-            else:
-                best_ids, best_labels = best.tokens, best.tokens
-            worst_ok = verify(r["answer"], tok.decode(worst.tokens, skip_special_tokens=True))
-            if worst_ok or not worst.tokens or best_ids == worst.tokens:
-                continue
-            pairs.append(PreferencePair(r["prompt_ids"], best_ids, best_labels, worst.tokens, worst.tokens))
-    model.train()
-    return pairs
 
 
 @torch.no_grad()
@@ -144,17 +113,17 @@ class DPO:
         if cfg.pairs == "on_policy" and cfg.parallel.tp > 1:
             raise StageError(f"dpo: pairs='on_policy' samples with a KV cache, which tensor parallelism does not "
                              f"support yet; set parallel.tp=1 (parallel.tp={cfg.parallel.tp}) or pairs='offline'")
-        train_data = preference_pairs(cfg.data.sources, "train", tok, cfg.data)
-        val_pairs = [p for p, _ in preference_pairs(cfg.data.sources, "validation", tok, cfg.data)]
         if cfg.pairs == "on_policy":
-            t0 = time.time()
-            budget = (cfg.max_steps or len(train_data)) * cfg.data.micro_batch_size * cfg.optim.grad_accum_steps
-            pairs = on_policy_pairs(model, tok, [r for _, r in train_data[: max(budget // 2, 1)]], cfg, d)
-            s.run.log_metrics({"on_policy/pairs": len(pairs), "on_policy/seconds": time.time() - t0}, step=0)
+            pairs, val_pairs, extra = on_policy_pairs(s)
+            s.run.log_metrics(extra, step=0)
+            if not pairs:
+                raise StageError(f"dpo: on-policy sampling gave no pairs: for all {extra['on_policy/prompts']} "
+                                 "prompts every sample scored the same (see on_policy/train.jsonl)")
         else:
-            pairs = [p for p, _ in train_data]
-        if not pairs:
-            raise StageError("dpo: no preference pairs (on-policy sampling found none that differ)")
+            train_data, val_data, stats = stage_data(cfg.data.sources, "preference", tok, cfg.data)
+            pairs, val_pairs, extra = [p for p, _ in train_data], [p for p, _ in val_data], drop_metrics(stats)
+            if not pairs:
+                raise StageError(f"dpo: no training pairs in {', '.join(map(str, cfg.data.sources))}")
 
         ref_train = ref_val = reference = None
         if cfg.loss_type != "simpo" and cfg.reference == "precomputed":
@@ -174,7 +143,7 @@ class DPO:
         def validate() -> dict[str, float]:
             return reward_accuracy(model, val_pairs, objective, cfg, d, ref_val) if val_pairs else {}
 
-        return Plan(train, objective, validate, summary=lambda: {"train_pairs": len(pairs)})
+        return Plan(train, objective, validate, summary=lambda: {"train_pairs": len(pairs), **extra})
 
 
 def run(cfg: DPOConfig) -> dict:

@@ -1,119 +1,178 @@
-"""Evaluation: batched KV-cache generation on the held-out prompts, exact match against the
-task's verifier, perplexity on held-out responses, a table of samples, and the delta against
-the models given in `compare_to`. Prompts are split over the data-parallel ranks (`parallel`:
-data parallelism only, on its device and backend; each rank holds the whole model).
+"""Evaluation: the models of `models`, side by side, on the user's data or data prep's held-out split.
 
     torchrun --nproc-per-node 2 -m stages.evaluate --config spec.json
+
+Before any model loads, the rows are read (stages/evaluation/plan.py), the metrics chosen and
+checked against the data, every model path and verifier resolved and every row tokenized with each
+model's tokenizer: a bad row, a metric the data cannot give or a missing model is a StageError
+naming the file, row and field, never a failure halfway through. Then, one model at a time (and
+the judge last), each rank generates for its batches of prompts (batched KV-cache sampling,
+`num_samples` per prompt), scores them (exact / normalized match against `reference_column`, the
+verifier), and computes completion NLL and preference-pair log-probs with the model's forward;
+the per-row records are gathered, so every metric is computed from all rows the same way on any
+number of ranks (stages/evaluation/metrics.py has the definitions, stages/evaluation/outputs.py
+the output and MLflow layout, stages/evaluation/__init__.py the metric keys).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from core.data.rows import prompt_text
 from core.model.config import ModelConfig
+from stages.common import (Dist, close_distributed, find_tokenizer_dir, load_model, load_tokenizer, parse_spec,
+                           progress, stage_run, start_distributed)
 from stages.config import EvalConfig
-from core.data import read_rows
-from core.manifest import digest, write_manifest
-from core.model.generate import SamplingParams, generate
-from core.objectives import sft_objective
-from core.tasks import verify
-from stages.common import (Dist, StageError, close_distributed, dump_json, load_model, load_tokenizer,
-                           parse_spec, progress, stage_run, start_distributed)
-from stages.training import DeviceLoader, doc_loader, mean_loss, sft_documents
+from stages.evaluation import metrics as M
+from stages.evaluation.outputs import write_outputs
+from stages.evaluation.plan import EvalData, Plan, fail, group_of, load_eval_data, model_names, plan_metrics
+from stages.evaluation.scoring import (Scorer, check_model, check_vocab, completion_nll, encode,
+                                       gather, generate_records, judge_scores, pair_logps, raise_errors)
 
 log = logging.getLogger("posttrain.evaluate")
 
 
-def eval_rows(cfg: EvalConfig) -> list[dict[str, Any]]:
-    rows = read_rows(cfg.data.sources, "sft", cfg.split)
-    return rows[: cfg.max_examples] if cfg.max_examples else rows
+class Model:
+    """One evaluated model: its path as given, name, tokenizer and tokenized data."""
+
+    def __init__(self, path: str, name: str, cfg: EvalConfig, data: EvalData, plan: Plan, tokenizers: dict):
+        self.path, self.name = path, name
+        tok_dir = find_tokenizer_dir(cfg.tokenizer, path, *cfg.data.sources)
+        if tok_dir not in tokenizers:
+            tok = load_tokenizer(tok_dir)
+            tokenizers[tok_dir] = (tok, encode(tok, cfg, data, plan))
+        self.tok, self.enc = tokenizers[tok_dir]
+
+    def load(self, cfg: EvalConfig, d: Dist):
+        model, _ = load_model(ModelConfig(name_or_path=self.path, dtype=cfg.dtype), d.device, cfg.seed)
+        check_vocab(model, self.enc, self.tok, self.path)
+        return model.eval()
 
 
-@torch.no_grad()
-def evaluate_model(model_path: str, cfg: EvalConfig, rows: list[dict[str, Any]], d: Dist,
-                   advance=lambda n=1, **kw: None) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Exact match (mean over prompts and samples) and perplexity of one model; samples on rank 0."""
-    model, _ = load_model(ModelConfig(name_or_path=model_path, dtype=cfg.model.dtype), d.device, cfg.seed)
-    model.eval()
-    tok = load_tokenizer(cfg.model.tokenizer, model_path, *cfg.data.sources)
-    mine = rows[d.rank :: d.world]
-    correct = total = 0.0
+def load_judge(cfg: EvalConfig, tok, d: Dist):
+    judge, _ = load_model(ModelConfig(name_or_path=cfg.judge, dtype=cfg.dtype), d.device, cfg.seed)
+    if tok.vocab_size > judge.args.vocab_size:
+        raise fail(f"judge {cfg.judge!r} has {judge.args.vocab_size} token embeddings but its tokenizer "
+                   f"({tok.origin}) has {tok.vocab_size} tokens; set `tokenizer` to the judge's own")
+    return judge.eval()
+
+
+def evaluate_model(m: Model, cfg: EvalConfig, data: EvalData, plan: Plan, scorer: Scorer, d: Dist,
+                   advance) -> dict[str, dict[int, Any]]:
+    """Records of one model over all rows (gathered): gen {row: GenRecord}, nll, pairs."""
+    model = m.load(cfg, d)
+    out: dict[str, dict[int, Any]] = {"gen": {}, "nll": {}, "pairs": {}}
+    if plan.generates:
+        local, errors = generate_records(model, m.tok, m.enc, data, cfg, d, scorer, advance)
+        raise_errors(d, errors)
+        out["gen"] = gather(d, local)
+    if plan.has("perplexity"):
+        out["nll"] = gather(d, completion_nll(model, m.tok, m.enc, cfg, d, advance))
+    if plan.has("preference_accuracy"):
+        out["pairs"] = gather(d, pair_logps(model, m.tok, m.enc, cfg, d, advance))
+    del model
+    return out
+
+
+def model_metrics(rec: dict[str, dict[int, Any]], data: EvalData, plan: Plan, cfg: EvalConfig) -> dict[str, float]:
+    g = plan.group_by
+    out: dict[str, float] = {}
+    if plan.generates:
+        idx = sorted(rec["gen"])
+        out.update(M.with_groups(lambda rs: M.generation_metrics(rs, plan.metrics, cfg.pass_k),
+                                 [rec["gen"][i] for i in idx], [group_of(data.prompts[i], g) for i in idx], g))
+    if plan.has("perplexity"):
+        idx = sorted(rec["nll"])
+        out.update(M.with_groups(M.nll_metrics, [rec["nll"][i] for i in idx],
+                                 [group_of(data.completions[i], g) for i in idx], g))
+    if plan.has("preference_accuracy"):
+        idx = sorted(rec["pairs"])
+        out.update(M.with_groups(M.preference_metrics, [rec["pairs"][i] for i in idx],
+                                 [group_of(data.pairs[i], g) for i in idx], g))
+    return out
+
+
+def samples_of(records: dict[str, dict[str, dict[int, Any]]], data: EvalData, cfg: EvalConfig) -> list[dict]:
     samples = []
-    for i in range(0, len(mine), cfg.batch_size):
-        chunk = mine[i : i + cfg.batch_size]
-        prompts = [tok.apply_chat_template([m for m in r["messages"] if m["role"] != "assistant"],
-                                           add_generation_prompt=True) for r in chunk]
-        for k in range(cfg.num_samples):
-            # Each (rank, batch, repetition) draws its own stream: the samples of a prompt differ.
-            params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                    top_p=cfg.top_p, stop_token_ids=tuple(tok.eos_ids),
-                                    seed=sample_seed(cfg.seed, d.rank, i, k))
-            for r, g in zip(chunk, generate(model, prompts, params, pad_id=tok.pad_id or 0)):
-                text = tok.decode(g.tokens, skip_special_tokens=True)
-                ok = verify(r["answer"], text)
-                correct += ok
-                total += 1
-                if len(samples) < 50:
-                    samples.append({"task": r.get("task"), "prompt": r["messages"][0]["content"],
-                                    "answer": r["answer"], "completion": text, "correct": bool(ok)})
-        advance(len(chunk))
-    correct, total = d.all_reduce_sum([correct, total])
-    metrics = {"exact_match": correct / max(total, 1.0)}
-    docs = sft_documents(cfg.data.sources, cfg.split, tok, cfg.data)[: cfg.max_examples or None]
-    if docs:
-        loader = DeviceLoader(doc_loader(docs, cfg.data, d, epochs=1, evaluation=True), d.device)
-        nll = mean_loss(model, loader, sft_objective, d)
-        metrics.update(nll=nll, perplexity=math.exp(min(nll, 50.0)))
-    return metrics, samples
-
-
-def sample_seed(seed: int, rank: int, batch: int, repetition: int) -> int:
-    """A sampling seed per (stage seed, rank, batch start, repetition), stable across runs."""
-    return int(digest([seed, rank, batch, repetition])[:15], 16)
+    for name, rec in records.items():
+        for i in sorted(rec["gen"]):
+            r, row = rec["gen"][i], data.prompts[i]
+            for k, text in enumerate(r.completions):
+                s = {"model": name, "index": i, "sample": k, "prompt": prompt_text(row.prompt),
+                     "reference": row.fields.get(cfg.reference_column), "completion": text,
+                     "score": r.primary[k] if r.primary is not None else None,
+                     "group": group_of(row, cfg.group_by)}
+                s.update({m: v[k] for m, v in r.scores.items()})
+                if r.judge is not None:
+                    s["judge"] = r.judge[k]
+                samples.append(s)
+    return samples
 
 
 def run(cfg: EvalConfig) -> dict:
     from kernels.dispatch import set_mode
 
-    set_mode(cfg.model.kernels)
+    set_mode(cfg.kernels)
     d = start_distributed(cfg.parallel)
+    try:
+        return _run(cfg, d)
+    finally:
+        close_distributed()
+
+
+def _run(cfg: EvalConfig, d: Dist) -> dict:
     out = Path(cfg.output_dir or "evaluate")
     out.mkdir(parents=True, exist_ok=True)
-    rows = eval_rows(cfg)
-    if not rows:
-        raise StageError(f"evaluate: no {cfg.split!r} rows in {cfg.data.sources}")
-    targets = {"model": cfg.model.name_or_path, **{f"compare/{Path(c).name}": c for c in cfg.compare_to}}
-    results: dict[str, dict[str, float]] = {}
-    with stage_run(cfg, "evaluate", d.is_main) as run_, progress(len(rows) * len(targets), "evaluate",
-                                                                  d.is_main) as advance:
-        for name, path in targets.items():
-            metrics, samples = evaluate_model(path, cfg, rows, d, advance)
-            results[name] = metrics
-            if d.is_main and cfg.save_samples and name == "model":
-                dump_json(out / "samples.json", samples)
-        metrics = {f"{k}": v for k, v in results["model"].items()}
-        for name, m in results.items():
-            if name != "model":
-                metrics[f"delta_exact_match/{name.split('/', 1)[1]}"] = results["model"]["exact_match"] - m["exact_match"]
-        manifest = None
+    # Everything that can be wrong with the inputs, before a model loads.
+    data = load_eval_data(cfg)
+    plan = plan_metrics(cfg, data)
+    for path in [*cfg.models, *([cfg.judge] if cfg.judge else [])]:
+        check_model(path)
+    tokenizers: dict = {}
+    models = [Model(p, n, cfg, data, plan, tokenizers) for p, n in zip(cfg.models, model_names(cfg.models))]
+    judge_tok = load_tokenizer(cfg.tokenizer, cfg.judge, *cfg.data.sources) if cfg.judge else None
+    scorer = Scorer(cfg, plan)
+    log.info("evaluate: %d model(s) on %d prompt(s), %d completion(s), %d pair(s) of %s: %s", len(models),
+             len(data.prompts), len(data.completions), len(data.pairs), data.sources, ", ".join(plan.metrics))
+
+    units = sum([len(data.prompts) * cfg.num_samples * plan.generates, len(data.completions) * plan.has("perplexity"),
+                 len(data.pairs) * plan.has("preference_accuracy")]) * len(models)
+    with stage_run(cfg, "evaluate", d.is_main) as tracker, \
+            progress(-(-units // d.world), "evaluate", d.is_main) as advance:  # rank 0's share
+        records = {m.name: evaluate_model(m, cfg, data, plan, scorer, d, advance) for m in models}
+        if judge_tok is not None and plan.has("win_rate"):
+            judge = load_judge(cfg, judge_tok, d)
+            local, errors = judge_scores(judge, judge_tok, data, {n: r["gen"] for n, r in records.items()}, cfg, d)
+            del judge
+            raise_errors(d, errors)
+            for i, by_model in gather(d, local).items():
+                for name, scores in by_model.items():
+                    records[name]["gen"][i].judge = scores
+        results = {name: model_metrics(rec, data, plan, cfg) for name, rec in records.items()}
+        names = [m.name for m in models]
+        if plan.has("win_rate"):
+            idx = sorted(records[names[0]]["gen"])
+            M.with_win_rates(results, {n: [records[n]["gen"][i] for i in idx] for n in names},
+                             [group_of(data.prompts[i], plan.group_by) for i in idx], plan.group_by,
+                             by_judge=cfg.judge is not None)
+        selected = None
+        if cfg.select is not None:
+            try:
+                selected = M.select_model(results, names, list(cfg.models), cfg.select.metric, cfg.select.mode)
+            except ValueError as e:
+                raise fail(str(e)) from None
+            log.info("evaluate: selected %s (%s=%.4g)", selected["name"], selected["metric"], selected["value"])
+        manifest: dict = {}
         if d.is_main:
-            dump_json(out / "results.json", {"targets": targets, "results": results})
-            outputs = {"results": "results.json"}
-            if (out / "samples.json").exists():
-                outputs["samples"] = "samples.json"
-            manifest = write_manifest(out, "evaluate", outputs, metrics=metrics, config=cfg.model_dump(mode="json"),
-                                      inputs=targets, extra={"results": results, "mlflow_run_id": run_.run_id})
-            run_.log_metrics(metrics, step=0)
-            run_.log_artifact(str(out / "results.json"))
-            if (out / "samples.json").exists():
-                run_.log_artifact(str(out / "samples.json"))
-    close_distributed()
-    return manifest or {}
+            counts = {"prompts": len(data.prompts), "samples_per_prompt": cfg.num_samples,
+                      "completions": len(data.completions), "pairs": len(data.pairs),
+                      "bad_rows_skipped": data.dropped.total_dropped}
+            manifest = write_outputs(cfg, out, tracker, names, results, M.flat_metrics(results, names),
+                                     samples_of(records, data, cfg), counts, plan.metrics, selected)
+        d.barrier()
+    return manifest
 
 
 def main(argv: list[str] | None = None) -> None:

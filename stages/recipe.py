@@ -106,7 +106,7 @@ def open_session(name: str, cfg: TrainStageConfig) -> Session:
     d = start_layout(cfg)
     torch.manual_seed(cfg.seed)
     model, upstream = load_model(cfg.model, d.device, cfg.seed)
-    tok = load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, *cfg.data.sources)
+    tok = policy_tokenizer(cfg)
     if tok.vocab_size > model.args.vocab_size:
         raise StageError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab is {model.args.vocab_size}")
     if cfg.lora.enabled:
@@ -115,6 +115,23 @@ def open_session(name: str, cfg: TrainStageConfig) -> Session:
     s = Session(name, cfg, d, Path(cfg.output_dir or name), model, tok, upstream)
     s.meter = make_meter(s)
     return s
+
+
+def policy_tokenizer(cfg: TrainStageConfig):
+    """The tokenizer the stage encodes its data with: model.tokenizer when set (it must be one),
+    else the model directory's (a stage output's), else data prep's among the data sources. A
+    preset model trained on the user's raw files has none of these: model.tokenizer is needed."""
+    if cfg.model.tokenizer is not None:
+        try:
+            return load_tokenizer(cfg.model.tokenizer)
+        except StageError:
+            raise StageError(f"model.tokenizer={cfg.model.tokenizer!r}: no tokenizer.json there (nor in the "
+                             "tokenizer or model output it names)") from None
+    try:
+        return load_tokenizer(cfg.model.name_or_path, *cfg.data.sources)
+    except StageError as e:
+        raise StageError(f"{e}: set model.tokenizer to a tokenizer directory (the model "
+                         f"{cfg.model.name_or_path!r} and the data sources carry none)") from None
 
 
 def start_layout(cfg: TrainStageConfig) -> Dist:

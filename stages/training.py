@@ -22,8 +22,9 @@ from torch.distributed.tensor import DTensor
 from core.data.config import DataConfig
 from core.parallel.config import ParallelConfig
 from stages.config import TrainStageConfig
-from core.data import build_loader, load_documents, load_pairs
+from core.data import build_loader, load_documents, load_splits
 from core.data.encode import Document, PreferencePair
+from core.data.errors import DropStats
 from core.data.sampler import StatefulLoader
 from core.lora import apply_lora, merged_state_dict
 from core.model import Transformer
@@ -39,9 +40,23 @@ def sft_documents(sources: list[str], split: str, tok, cfg) -> list[Document]:
     return load_documents(sources, split, tok, cfg)
 
 
-def preference_pairs(sources: list[str], split: str, tok=None, cfg=None) -> list[tuple[PreferencePair, dict]]:
-    """(pair, row) of `split`, with data prep's stored labels; raw sources need tok and cfg."""
-    return load_pairs(sources, split, tok, cfg)
+def stage_data(sources: list[str], task: str, tok, cfg: DataConfig) -> tuple[list, list, DropStats]:
+    """(train, validation, skipped rows) of a training stage's data, `task` "sft" (Documents) or
+    "preference" ((PreferencePair, row)): data prep's output split by split, a raw source read,
+    validated and tokenized once and split by data.val_fraction (or by the split a saved
+    DatasetDict names). Every bad row is raised or, with data.on_bad_row='skip', counted here,
+    before training starts."""
+    stats = DropStats()
+    got = load_splits(sources, task, ("train", "validation"), tok, cfg, stats)
+    if stats.total_dropped:
+        first = "; ".join(m for shown in stats.examples.values() for m in shown[:1])
+        log.warning("data: skipped rows (%s); e.g. %s", stats, first)
+    return got["train"], got["validation"], stats
+
+
+def drop_metrics(stats: DropStats) -> dict[str, float]:
+    """`data/kept`, `data/dropped`, `data/dropped/<reason>` of raw sources (none for data prep's output)."""
+    return {f"data/{k}": v for k, v in stats.to_dict().items()} if stats.kept or stats.total_dropped else {}
 
 
 def doc_loader(docs: list[Document], data: DataConfig, d: Dist, epochs: int | None,

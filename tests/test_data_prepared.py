@@ -43,7 +43,8 @@ def run_prep(tmp_path, sources, tok_dir, name="prep", **kw):
 
 
 def test_encoder_labels_survive_parquet_into_the_stages_batches(tmp_path, tok_dir):
-    from stages.training import doc_loader, pair_loader, preference_pairs, sft_documents
+    from core.data import load_pairs
+    from stages.training import doc_loader, pair_loader, sft_documents
 
     tok = make_tokenizer()
     srcs = [write_jsonl(tmp_path / "sft.jsonl", [SFT]), write_jsonl(tmp_path / "pref.jsonl", [PREF])]
@@ -59,7 +60,7 @@ def test_encoder_labels_survive_parquet_into_the_stages_batches(tmp_path, tok_di
     assert want_pair.chosen_labels != want_pair.chosen_ids and want_pair.rejected_labels != want_pair.rejected_ids
 
     (doc,) = sft_documents([str(out)], "train", tok, DataConfig(max_seq_len=128))
-    ((pair, row),) = preference_pairs([str(out)], "train")
+    ((pair, row),) = load_pairs([str(out)], "train")
     assert doc == want_doc and pair == want_pair
     assert row["prompt"] == PROMPT and row["chosen_labels"] == want_pair.chosen_labels  # the row keeps its fields
 
@@ -204,3 +205,30 @@ def test_data_prep_chat_template_renders_the_rows_and_travels_with_the_tokenizer
     assert tok.decode(doc.input_ids).startswith("<|im_start|>user: what is two plus two<|im_end|>")
     default, _ = run_prep(tmp_path, [src], tok_dir, name="default")
     assert read_documents(default, "train") != [doc]
+
+
+def test_data_prep_keeps_a_user_rows_extra_columns_for_rewards_and_evaluation(tmp_path):
+    """A user's reference answer (and other scalar columns) survive data prep, so on-policy rewards
+    and evaluation can read them from its output as from the raw file (core.data.rows)."""
+    import json
+
+    from core.data.rows import prompt_rows
+    from stages.config import DataPrepConfig
+    from stages.data_prep import prepare
+
+    f = tmp_path / "a.jsonl"
+    f.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                  {"role": "assistant", "content": f"a{i}"}],
+                                     "answer": f"a{i}", "id": i}) + "\n" for i in range(40)))
+    prepare(DataPrepConfig(sources=[str(f)], synthetic_size=0, output_dir=str(tmp_path / "out"),
+                           val_fraction=0.1, test_fraction=0.2))
+    rows = prompt_rows([str(tmp_path / "out")], "test")
+    assert rows and all(r.fields["answer"] == f"a{r.fields['id']}" for r in rows)
+    assert all(r.prompt == [{"role": "user", "content": f"q{r.fields['id']}"}] for r in rows)
+
+    p = tmp_path / "p.jsonl"  # only preference data prepared: prompt_rows without a task finds it
+    p.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": f"a{i}", "rejected": "no"}) + "\n" for i in range(40)))
+    prepare(DataPrepConfig(sources=[str(p)], synthetic_size=0, output_dir=str(tmp_path / "pref"),
+                           val_fraction=0.1, test_fraction=0.2))
+    pairs = prompt_rows([str(tmp_path / "pref")], "test")
+    assert pairs and all(r.is_pair for r in pairs)

@@ -13,13 +13,15 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+STAGE_NAMES = ["prep", "teacher", "student", "distill", "dpo", "evaluate"]
+
 TINY = [
-    "data_prep.synthetic_size=300",
-    "sft_teacher.max_steps=6", "sft_teacher.eval_interval=3",
-    "sft_student.max_steps=6", "sft_student.eval_interval=3",
-    "distill.max_steps=4", "distill.eval_interval=2",
-    "dpo.max_steps=4", "dpo.eval_interval=2",
-    "evaluate.max_examples=8", "evaluate.max_new_tokens=6",
+    "nodes.prep.synthetic_size=300",
+    "nodes.teacher.max_steps=6", "nodes.teacher.eval_interval=3",
+    "nodes.student.max_steps=6", "nodes.student.eval_interval=3",
+    "nodes.distill.max_steps=4", "nodes.distill.eval_interval=2",
+    "nodes.dpo.max_steps=4", "nodes.dpo.eval_interval=2",
+    "nodes.evaluate.max_examples=8", "nodes.evaluate.max_new_tokens=6",
     "stage_retries=1", "retry_delay_s=0",
 ]
 
@@ -61,12 +63,12 @@ def first_run(workdir):
 
 def test_every_stage_ran_and_wrote_its_manifest(first_run):
     assert first_run.ok
-    assert list(first_run.stages) == ["data_prep", "sft_teacher", "sft_student", "distill", "dpo", "evaluate"]
+    assert list(first_run.stages) == STAGE_NAMES
     for name, r in first_run.stages.items():
         assert not r.cached, name
         m = json.loads((Path(r.output_dir) / "manifest.json").read_text())
         assert m["digest"] == r.digest and m["files"], name
-    sft = first_run.stages["sft_student"].metrics
+    sft = first_run.stages["student"].metrics
     assert sft["val/loss"] < sft["val/loss_initial"]
     distill = first_run.stages["distill"].metrics
     assert distill["val/kl"] < distill["val/kl_initial"]
@@ -74,7 +76,6 @@ def test_every_stage_ran_and_wrote_its_manifest(first_run):
     assert dpo["val/accuracy"] > dpo["val/accuracy_initial"]
 
 
-STAGE_NAMES = ["data_prep", "sft_teacher", "sft_student", "distill", "dpo", "evaluate"]
 
 
 def _client(workdir: Path):
@@ -101,11 +102,11 @@ def test_mlflow_holds_parent_and_children_and_registry_alias(first_run, workdir)
     assert [r.info.run_id for r in during if "mlflow.parentRunId" not in r.data.tags] == [first_run.parent_run_id]
     children = _children(client, exp_id, first_run.parent_run_id)
     assert len(children) == len(during) - 1 == len(STAGE_NAMES)
-    # One child per stage, named after the pipeline's stage, tagged with the stage program it ran.
+    # One child per node, named after the node, tagged with the stage program it ran.
     by_name = {r.info.run_name: r for r in children}
     assert sorted(by_name) == sorted(STAGE_NAMES)
     programs = {n: r.data.tags["posttrain.stage"] for n, r in by_name.items()}
-    assert programs == {"data_prep": "data_prep", "sft_teacher": "sft", "sft_student": "sft",
+    assert programs == {"prep": "data_prep", "teacher": "sft", "student": "sft",
                         "distill": "distill", "dpo": "dpo", "evaluate": "evaluate"}
     for name, r in by_name.items():
         assert r.info.status == "FINISHED", name
@@ -116,14 +117,14 @@ def test_mlflow_holds_parent_and_children_and_registry_alias(first_run, workdir)
         recorded = first_run.stages[name].mlflow_run_id
         assert recorded in (None, r.info.run_id), name
     recording = {n for n in STAGE_NAMES if first_run.stages[n].mlflow_run_id is not None}
-    assert recording >= set(STAGE_NAMES) - {"data_prep"}  # every training stage and the evaluation
+    assert recording >= set(STAGE_NAMES) - {"prep"}  # every training stage and the evaluation
     # The parent carries each stage's final metrics under the stage's name.
-    sft = by_name["sft_student"].data.metrics
-    assert sft["val/loss"] == pytest.approx(first_run.stages["sft_student"].metrics["val/loss"])
-    assert parent.data.metrics["sft_student/val/loss"] == pytest.approx(sft["val/loss"])
+    sft = by_name["student"].data.metrics
+    assert sft["val/loss"] == pytest.approx(first_run.stages["student"].metrics["val/loss"])
+    assert parent.data.metrics["student/val/loss"] == pytest.approx(sft["val/loss"])
     assert parent.data.params["registry.model_name"] == "e2e-model"
     artifacts = {a.path for a in client.list_artifacts(first_run.parent_run_id, "plots")}
-    assert {"plots/loss_curves.png", "plots/eval_comparison.png"} <= artifacts
+    assert {"plots/loss_curves.png", "plots/eval_comparison_evaluate.png"} <= artifacts
     version = client.get_model_version_by_alias("e2e-model", "candidate")
     assert version.run_id == first_run.parent_run_id
     assert first_run.registered["promoted"]  # the first model becomes champion
@@ -135,7 +136,7 @@ def test_second_run_is_cached_and_a_change_reruns_only_descendants(first_run, wo
 
     again = run_pipeline(config(workdir))
     assert all(r.cached for r in again.stages.values())
-    changed = run_pipeline(config(workdir, "dpo.beta=0.2"))
+    changed = run_pipeline(config(workdir, "nodes.dpo.beta=0.2"))
     assert {n for n, r in changed.stages.items() if not r.cached} == {"dpo", "evaluate"}
     # Each pipeline run is its own parent run; only the stages that ran have child runs.
     client, exp_id = _client(workdir)
@@ -154,25 +155,41 @@ def test_failing_stage_is_retried_and_reported(first_run, workdir):
 
     from flows.pipeline import run_pipeline
 
-    cfg = config(workdir, "name=broken", "stages.sft_teacher=false", "stages.distill=false",
-                 "stages.dpo=false", "stages.evaluate=false",
-                 f"sft_student.model.name_or_path={workdir / 'no-such-model'}")
-    with pytest.raises(Exception, match="stage sft_student failed"):
+    from core.config import load_config
+    from flows.config import PipelineConfig
+
+    not_a_model = workdir / "not-a-model"
+    not_a_model.mkdir(exist_ok=True)  # exists (so the config is valid) but holds no checkpoint
+    path = workdir / "broken.yaml"
+    path.write_text(f"""
+name: broken
+workspace: {workdir / 'runs'}
+tracking: {{tracking_uri: "sqlite:///{workdir / 'mlflow.db'}"}}
+registry: {{enabled: false}}
+stage_retries: 1
+retry_delay_s: 0
+nodes:
+  prep: {{kind: data_prep, synthetic_size: 300}}
+  student: {{kind: sft, model: "{not_a_model}", data: prep, max_steps: 2}}
+""")
+    cfg = load_config(PipelineConfig, path)
+    with pytest.raises(Exception, match="node student failed"):
         run_pipeline(cfg)
-    log = (workdir / "runs" / "broken" / ".launch" / "sft_student" / "launch.log").read_text()
+    log = (workdir / "runs" / "broken" / ".launch" / "student" / "launch.log").read_text()
     assert log.count("==> posttrain launch stages.sft") == 2  # the first attempt and one retry
-    assert "no such directory" in log
+    assert "checkpoint" in log.lower()
     client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("posttrain")
     (parent,) = client.search_runs([exp.experiment_id], "tags.`posttrain.pipeline` = 'broken'")
     assert parent.info.status == "FAILED"
-    assert "stage sft_student failed" in parent.data.tags["posttrain.error"]
+    assert "node student failed" in parent.data.tags["posttrain.error"]
     children = _children(client, exp.experiment_id, parent.info.run_id)
-    # data prep succeeded; sft_student fails loading its model, before or after opening its run
+    # data prep succeeded; the student fails loading its model, before or after opening its run
     # (an attempt's child run, where there is one, is FAILED with the error): never a FINISHED one
-    assert [(r.info.run_name, r.info.status) for r in children if r.info.run_name != "sft_student"] \
-        == [("data_prep", "FINISHED")]
-    attempts = [r for r in children if r.info.run_name == "sft_student"]
+    assert [(r.info.run_name, r.info.status) for r in children if r.info.run_name != "student"] \
+        == [("prep", "FINISHED")]
+    attempts = [r for r in children if r.info.run_name == "student"]
     assert len(attempts) <= 2
     for r in attempts:
-        assert r.info.status == "FAILED" and "no such directory" in r.data.tags["posttrain.error"]
+        assert r.info.status == "FAILED" and r.data.tags["posttrain.error"]
+

@@ -83,6 +83,9 @@ def test_dpo_raises_implicit_reward_accuracy(prepared, pairs, reference):
     assert (out / "adapter" / "adapter_config.json").exists() and (out / "model" / "config.json").exists()
     if reference == "precomputed":
         assert list((out / "reference").glob("ref_logps-*.safetensors"))
+    if pairs == "on_policy":  # data prep's preference rows as prompts, exact match against their answer
+        assert m["on_policy/pairs"] == m["train_pairs"] > 0 and 0 < m["on_policy/pair_share"] <= 1
+        assert (out / "on_policy" / "train.jsonl").exists()
 
 
 def _launch_sft(prepared: Path, out: Path, **kw):
@@ -184,9 +187,10 @@ def test_evaluation_samples_differ_across_repetitions(prepared):
     from stages.evaluate import run
 
     out = prepared / "eval-samples"
-    run(EvalConfig(output_dir=str(out), models=[str(prepared / "student")],
-                   data={"sources": [str(prepared / "data")]}, tracking=OFF, max_examples=4, num_samples=3,
-                   temperature=1.0, max_new_tokens=8))
+    m = run(EvalConfig(output_dir=str(out), models=[str(prepared / "student")], data=str(prepared / "data"),
+                       tracking=OFF, max_examples=4, num_samples=3, pass_k=[1, 3], temperature=1.0, max_new_tokens=8))
+    # data prep's test split: SFT rows (answer: exact match; completion: perplexity) and pairs
+    assert {"exact_match", "pass@3", "perplexity", "preference_accuracy"} <= set(m["results"]["student"])
     samples = json.loads((out / "samples.json").read_text())
     by_prompt: dict[str, list[str]] = {}
     for s in samples:

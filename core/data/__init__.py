@@ -8,7 +8,8 @@
     dataset.py   ExamplePipeline (dedup -> encode -> min length -> split), shared by load_data(cfg,
                  tokenizer) and data prep
     prepared.py  data prep's Parquet + manifest, read back with the labels data prep computed
-                 (read_documents, read_pairs; load_documents / load_pairs also take raw sources)
+                 (read_documents, read_pairs; load_documents / load_pairs / load_splits also take raw
+                 sources)
     packing.py   packing into max_seq_len rows, padding-free and padded collation, cu_seqlens
     sampler.py   deterministic, resumable, rank-sharded micro-batches
     loader.py    build_loader: the one loader the stages use (packing, micro_batch_size / batch_tokens,
@@ -45,10 +46,12 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "common_prefix": "core.data.formats",
     "content_hash": "core.data.split",
     "detect_format": "core.data.formats",
+    "fit_pair": "core.data.prepared",
     "for_each_example": "core.data.dataset",
     "load_data": "core.data.dataset",
     "load_documents": "core.data.prepared",
     "load_pairs": "core.data.prepared",
+    "load_splits": "core.data.prepared",
     "make_encoder": "core.data.dataset",
     "num_tokens": "core.data.encode",
     "open_sources": "core.data.sources",

@@ -98,8 +98,8 @@ def load_data(cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
 
 
 def for_each_example(paths: list[str], want: str, on_bad_row: str, stats: DropStats,
-                     handle: Callable[[Source, Example], None], *, require_rows: bool = True) -> str | None:
-    """Validate every row of every source and pass the clean example to `handle` (which may raise
+                     handle: Callable[..., None], *, require_rows: bool = True, with_row: bool = False) -> str | None:
+    """Validate every row of every source and pass the clean example (with_row: and the raw row) to `handle` (which may raise
     RowError too, e.g. while tokenizing). A RowError becomes a DataError naming file, row and
     field, raised or (on_bad_row="skip", or a row the config drops) counted in `stats`. Returns the
     task; raises DataError when sources mix tasks or (require_rows) no row survives; without
@@ -115,7 +115,8 @@ def for_each_example(paths: list[str], want: str, on_bad_row: str, stats: DropSt
                 raise DataError(f"holds {task_of(fmt)} rows but {first} holds {task} rows; "
                                 "load SFT and preference data separately", source=source.name)
             try:
-                handle(source, _validate(raw, fmt))
+                ex = _validate(raw, fmt)
+                handle(source, ex, raw.value) if with_row else handle(source, ex)
             except RowError as e:
                 err = DataError.from_row(e, source.name, raw.index, source.unit)
                 if not (e.always_skip or on_bad_row == "skip"):

@@ -18,6 +18,7 @@ labels data prep computed.
     read_pairs(sources, split, cfg)           (PreferencePair, row) with the row's other fields
     load_documents / load_pairs               the same for stage sources that may also be raw
                                               files (validated, tokenized and split by load_data)
+    load_splits(sources, task, splits, ...)   several splits at once, each raw source read once
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from core.data.encode import Document, PreferencePair, Tokenizer, last_run_start, truncate
-from core.data.errors import DataError, RowError
+from core.data.errors import DataError, DropStats, RowError
 from core.losses import IGNORE_INDEX
 from core.data.split import canonical_split
 from core.manifest import is_stage_dir, read_manifest
@@ -153,7 +154,7 @@ def read_pairs(sources: Sources, split: str, cfg: DataConfig | None = None,
             pair = pair_of(r)
             if cfg is not None and pair.longest > cfg.max_seq_len:
                 try:
-                    pair = _fit_pair(pair, cfg.max_seq_len, cfg.truncation, bos_id)
+                    pair = fit_pair(pair, cfg.max_seq_len, cfg.truncation, bos_id)
                 except RowError as e:
                     if e.always_skip or cfg.on_bad_row == "skip":
                         continue
@@ -162,7 +163,9 @@ def read_pairs(sources: Sources, split: str, cfg: DataConfig | None = None,
     return out
 
 
-def _fit_pair(p: PreferencePair, max_len: int, policy: str, bos_id: int | None) -> PreferencePair:
+def fit_pair(p: PreferencePair, max_len: int, policy: str, bos_id: int | None) -> PreferencePair:
+    """A pair whose prompt + longest completion exceeds `max_len`, cut by the truncation policy
+    (right: the completions; left: the prompt after BOS; drop: skipped); RowError when it cannot."""
     over = f"prompt + longest completion = {p.longest} tokens > max_seq_len={max_len}"
     if policy == "drop":
         raise RowError("too_long", "chosen", f"{over} (truncation='drop')", always_skip=True)
@@ -182,7 +185,10 @@ def _fit_pair(p: PreferencePair, max_len: int, policy: str, bos_id: int | None) 
     return out
 
 
-def _load_raw(src: str | Path, task: str, split: str, tokenizer: Tokenizer | None, cfg: DataConfig | None) -> list:
+def _load_raw(src: str | Path, task: str, tokenizer: Tokenizer | None, cfg: DataConfig | None,
+              stats: DropStats | None = None):
+    """load_data of one raw source (every split), checked to hold `task` rows; its skipped rows are
+    added to `stats`."""
     from core.data.dataset import load_data
 
     if tokenizer is None or cfg is None:
@@ -191,7 +197,13 @@ def _load_raw(src: str | Path, task: str, split: str, tokenizer: Tokenizer | Non
     data = load_data(cfg.model_copy(update={"sources": [str(src)]}), tokenizer)
     if data.task != task:
         raise DataError(f"holds {data.task} rows; this stage needs {task} rows", source=str(src))
-    return data[canonical_split(split)]
+    if stats is not None:
+        stats.kept += data.stats.kept
+        stats.dropped.update(data.stats.dropped)
+        for reason, shown in data.stats.examples.items():
+            have = stats.examples.setdefault(reason, [])
+            have.extend(shown[: max(stats.max_examples - len(have), 0)])
+    return data
 
 
 def _check_prepared(src: str | Path, cfg: DataConfig | None) -> None:
@@ -200,30 +212,43 @@ def _check_prepared(src: str | Path, cfg: DataConfig | None) -> None:
                         "tokenized already; set data_prep.chat_template instead", source=str(src))
 
 
+def load_splits(sources: Sources, task: str, splits: Sequence[str], tokenizer: Tokenizer | None = None,
+                cfg: DataConfig | None = None, stats: DropStats | None = None) -> dict[str, list]:
+    """{split: items} for several splits of every source, `task` "sft" (Documents) or "preference"
+    ((PreferencePair, row) tuples; a raw source's rows hold the pair's token columns only). Data
+    prep's output is read back split by split (cut to cfg.max_seq_len); a raw source (JSONL,
+    Parquet, saved datasets) is validated, tokenized and split once by load_data with cfg, its
+    skipped rows counted in `stats`. Every bad row is raised (or counted) here, before training."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    out: dict[str, list] = {canonical_split(s): [] for s in splits}
+    bos_id = getattr(tokenizer, "bos_id", None)
+    for src in _as_list(sources):
+        if is_prepared(src):
+            _check_prepared(src, cfg)
+            for split in out:
+                if task == "sft":
+                    out[split].extend(read_documents(src, split, cfg, bos_id))
+                else:
+                    out[split].extend(read_pairs(src, split, cfg, bos_id))
+        else:
+            data = _load_raw(src, task, tokenizer, cfg, stats)
+            for split in out:
+                items = data[split]
+                out[split].extend(items if task == "sft" else [(p, record({}, p)) for p in items])
+    return out
+
+
 def load_documents(sources: Sources, split: str, tokenizer: Tokenizer | None = None,
                    cfg: DataConfig | None = None) -> list[Document]:
     """SFT Documents of `split` from every source: data prep's Parquet for a stage directory (cut to
     cfg.max_seq_len); raw sources (JSONL, Parquet, saved datasets) validated, tokenized and split by
     load_data with cfg, one source at a time."""
-    docs: list[Document] = []
-    for src in _as_list(sources):
-        if is_prepared(src):
-            _check_prepared(src, cfg)
-            docs.extend(read_documents(src, split, cfg, getattr(tokenizer, "bos_id", None)))
-        else:
-            docs.extend(_load_raw(src, "sft", split, tokenizer, cfg))
-    return docs
+    return load_splits(sources, "sft", [split], tokenizer, cfg)[split]
 
 
 def load_pairs(sources: Sources, split: str, tokenizer: Tokenizer | None = None,
                cfg: DataConfig | None = None) -> list[tuple[PreferencePair, dict[str, Any]]]:
     """(PreferencePair, row) of `split` from every source, as load_documents does for documents; a
     raw source's rows hold the pair's token columns only."""
-    out: list[tuple[PreferencePair, dict[str, Any]]] = []
-    for src in _as_list(sources):
-        if is_prepared(src):
-            _check_prepared(src, cfg)
-            out.extend(read_pairs(src, split, cfg, getattr(tokenizer, "bos_id", None)))
-        else:
-            out.extend((p, record({}, p)) for p in _load_raw(src, "preference", split, tokenizer, cfg))
-    return out
+    return load_splits(sources, "preference", [split], tokenizer, cfg)[split]

@@ -40,6 +40,7 @@ class PromptRow:
     rejected: Text | None = None
     fields: dict[str, Any] = field(default_factory=dict)  # the row's other columns
     where: str = ""  # "file line 3": for messages about this row
+    split: str | None = None  # the split the data names (data prep's, a saved DatasetDict's), if any
 
     @property
     def is_pair(self) -> bool:
@@ -93,7 +94,12 @@ def prompt_rows(sources: Any, split: str = "test", on_bad_row: str = "error",
         if is_prepared(src):
             kinds = [task] if task else ["sft", "preference"]
             for kind in kinds:
-                files = prepared_files(src, kind, split)
+                try:
+                    files = prepared_files(src, kind, split)
+                except DataError:
+                    if task is not None:
+                        raise
+                    continue  # this kind was not prepared: try the next
                 if not files and task is None:
                     continue
                 for i, r in enumerate(read_rows(src, kind, split)):
@@ -102,7 +108,7 @@ def prompt_rows(sources: Any, split: str = "test", on_bad_row: str = "error",
                         pr = parse_row(r)
                     except RowError as e:
                         raise DataError.from_row(e, str(files[0]), i, "row") from None
-                    pr.where = where
+                    pr.where, pr.split = where, split
                     out.append(pr)
                     stats.kept += 1
                 if task is None:
@@ -120,7 +126,7 @@ def prompt_rows(sources: Any, split: str = "test", on_bad_row: str = "error",
                         raise err from None
                     stats.drop(err)
                     continue
-                pr.where = f"{source.name} {source.unit} {raw.index}"
+                pr.where, pr.split = f"{source.name} {source.unit} {raw.index}", source.split
                 out.append(pr)
                 stats.kept += 1
     return out

@@ -1,0 +1,453 @@
+"""The evaluation stage on the user's own rows, every metric against a value computed here by hand.
+
+Three tiny random models (HF format, the debug preset, built locally) share the test BPE tokenizer.
+Their greedy generations are computed here with core.model.generate on the same prompts, and the
+data's reference answers are written from them, so each exact match, normalized match and win rate
+is known by construction. Log-probabilities (perplexity, preference accuracy, the judge) are
+recomputed with a plain full-logits forward of each sequence alone; sampled generations (pass@k) are
+replayed with the stage's documented seeds and scored with the test verifier (tests/eval_verifiers.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import string
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.tracking import TrackingConfig, clean_key
+from data_fixtures import make_tokenizer, write_jsonl, write_parquet
+from stages.config import EvalConfig
+
+OFF = TrackingConfig(enabled=False)
+NEW = 6  # max_new_tokens
+
+PROMPTS = [  # (prompt, completion, task)
+    ([{"role": "user", "content": "what is two plus four"}], "four", "add"),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "the model learns"}], "to answer", "add"),
+    ([{"role": "user", "content": "blue red"}], "red", "add"),
+    ([{"role": "user", "content": "question what is"}], "the question", "sub"),
+    ([{"role": "user", "content": "a model answer"}], "blue", "sub"),
+    ("the user asks", " assistant", "sub"),
+]
+PAIRS = [  # (prompt, chosen, rejected, task)
+    ([{"role": "user", "content": "two plus two"}], "four", "blue red", "add"),
+    ([{"role": "user", "content": "what is red"}], "a question", "the model", "add"),
+    ([{"role": "user", "content": "model"}], "answer", "what", "sub"),
+    ("the assistant", " learns", " is blue", "sub"),
+]
+
+
+# ------------------------------------------------------------------------------------ by hand
+
+
+@functools.lru_cache(maxsize=8)
+def load(path: Path):
+    from registry.hf import load_pretrained
+    from registry.tokenizer import Tokenizer
+
+    return load_pretrained(path).eval(), Tokenizer.from_pretrained(path)
+
+
+def prompt_ids(tok, prompt) -> list[int]:
+    return tok.encode(prompt) if isinstance(prompt, str) else tok.apply_chat_template(prompt, add_generation_prompt=True)
+
+
+def generations(path: Path, prompts: list, temperature: float = 0.0, seed: int | None = None) -> list[str]:
+    from core.model.generate import SamplingParams, generate
+
+    model, tok = load(path)
+    params = SamplingParams(max_new_tokens=NEW, temperature=temperature, stop_token_ids=tuple(sorted(tok.eos_ids)),
+                            seed=seed)
+    return [tok.decode(g.tokens, skip_special_tokens=True)
+            for g in generate(model, [prompt_ids(tok, p) for p in prompts], params, pad_id=tok.pad_id)]
+
+
+@torch.no_grad()
+def completion_logprob(model, tok, prompt, completion) -> tuple[float, int]:
+    """Summed log-prob of the completion's tokens given the prompt, and their number: full logits."""
+    ids, mask = tok.encode_prompt_completion(prompt, completion)
+    logp = model(torch.tensor([ids])).float()[0].log_softmax(-1)
+    scored = [t for t in range(1, len(ids)) if mask[t]]
+    return sum(float(logp[t - 1, ids[t]]) for t in scored), len(scored)
+
+
+def normalized(text: str) -> str:
+    text = str(text).lower().translate(str.maketrans("", "", string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def ws(text: str) -> str:
+    return " ".join(text.split())
+
+
+# ------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Three random debug-preset models (peaky init, so greedy choices are clear) saved in HF format."""
+    from core.model import build_model, get_preset
+    from registry.hf import save_pretrained
+
+    root = tmp_path_factory.mktemp("evaluate")
+    tok = make_tokenizer()
+    for name, seed in (("alpha", 1), ("beta", 2), ("judge", 3)):
+        save_pretrained(build_model(get_preset("debug", initializer_range=0.2), seed=seed), root / name)
+        tok.save_pretrained(root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def user_data(tiny):
+    """A raw JSONL of prompt/completion rows and preference pairs, the references written from the
+    models' greedy generations: {"file", "alpha", "beta", "refs"}."""
+    prompts = [p for p, _, _ in PROMPTS]
+    a, b = generations(tiny / "alpha", prompts), generations(tiny / "beta", prompts)
+    assert all(ws(x) and ws(x) != ws(y) for x, y in zip(a, b)), (a, b)
+    # alpha right on rows 0, 4, 5 (5 up to whitespace), beta on row 1; row 3 matches alpha's only
+    # after normalization (punctuation); row 2 matches nobody.
+    refs = [a[0], b[1], "zzz nothing", a[3] + " !!", a[4], "  " + a[5].replace(" ", "   ") + " "]
+    rows = [{"prompt": p, "completion": c, "task": t, "answer": r} for (p, c, t), r in zip(PROMPTS, refs)]
+    rows += [{"prompt": p, "chosen": c, "rejected": r, "task": t} for p, c, r, t in PAIRS]
+    return {"file": write_jsonl(tiny / "eval.jsonl", rows), "alpha": a, "beta": b, "refs": refs}
+
+
+@pytest.fixture(scope="module")
+def side_by_side(tiny, user_data):
+    """alpha and beta on the user's JSONL, metrics=None, selected by exact match, tracked in MLflow."""
+    from stages.evaluate import run
+
+    tracking = TrackingConfig(tracking_uri=f"sqlite:///{tiny}/mlflow.db", experiment="eval-test")
+    cfg = EvalConfig(output_dir=str(tiny / "side"), models=[f"{tiny / 'alpha'}/", str(tiny / "beta")],
+                     data=[str(user_data["file"])], max_new_tokens=NEW, select={"metric": "exact_match"},
+                     tracking=tracking)
+    return cfg, run(cfg)
+
+
+# ------------------------------------------------------------------------------------ generation metrics
+
+
+def test_exact_and_normalized_match_and_their_breakdowns(side_by_side, user_data):
+    _, manifest = side_by_side
+    res = manifest["results"]
+    refs = user_data["refs"]
+    em = {m: [float(ws(c) == ws(r)) for c, r in zip(user_data[m], refs)] for m in ("alpha", "beta")}
+    assert em["alpha"] == [1, 0, 0, 0, 1, 1] and em["beta"] == [0, 1, 0, 0, 0, 0]  # by construction
+    nm = {m: [float(normalized(c) == normalized(r)) for c, r in zip(user_data[m], refs)] for m in ("alpha", "beta")}
+    assert nm["alpha"][3] == 1.0
+    for m in ("alpha", "beta"):
+        assert res[m]["exact_match"] == pytest.approx(sum(em[m]) / 6)
+        assert res[m]["normalized_match"] == pytest.approx(sum(nm[m]) / 6)
+        assert res[m]["exact_match/task=add"] == pytest.approx(sum(em[m][:3]) / 3)
+        assert res[m]["exact_match/task=sub"] == pytest.approx(sum(em[m][3:]) / 3)
+        assert res[m]["normalized_match/task=sub"] == pytest.approx(sum(nm[m][3:]) / 3)
+    assert "reward" not in res["alpha"] and not any(k.startswith("pass@") for k in res["alpha"])
+
+
+def test_win_rate_by_exact_match(side_by_side):
+    """Per prompt alpha vs beta by exact match: won 0, 4, 5; lost 1; tied 2, 3 (both wrong)."""
+    res = side_by_side[1]["results"]
+    assert res["alpha"]["win_rate/beta"] == pytest.approx((1 + 0 + 0.5 + 0.5 + 1 + 1) / 6)
+    assert res["alpha"]["win_rate/beta/task=add"] == pytest.approx((1 + 0 + 0.5) / 3)
+    assert res["alpha"]["win_rate/beta/task=sub"] == pytest.approx((0.5 + 1 + 1) / 3)
+    assert res["beta"]["win_rate/alpha"] == pytest.approx(1 - 4 / 6)
+
+
+def test_perplexity_and_preference_accuracy_by_hand(side_by_side, tiny):
+    res = side_by_side[1]["results"]
+    for name in ("alpha", "beta"):
+        model, tok = load(tiny / name)
+        scored = [completion_logprob(model, tok, p, c) for p, c, _ in PROMPTS]
+        nll = -sum(s for s, _ in scored) / sum(n for _, n in scored)
+        assert res[name]["nll"] == pytest.approx(nll, rel=1e-5)
+        assert res[name]["perplexity"] == pytest.approx(math.exp(nll), rel=1e-4)
+        add = scored[:3]
+        assert res[name]["nll/task=add"] == pytest.approx(-sum(s for s, _ in add) / sum(n for _, n in add), rel=1e-5)
+        wins = [completion_logprob(model, tok, p, c)[0] > completion_logprob(model, tok, p, r)[0] for p, c, r, _ in PAIRS]
+        assert res[name]["preference_accuracy"] == pytest.approx(sum(wins) / 4)
+        assert res[name]["preference_accuracy/task=sub"] == pytest.approx(sum(wins[2:]) / 2)
+
+
+def test_outputs_manifest_selected_and_samples(side_by_side, tiny, user_data):
+    cfg, manifest = side_by_side
+    out = Path(cfg.output_dir)
+    assert manifest["selected"] == {"model": f"{tiny / 'alpha'}/", "name": "alpha", "metric": "exact_match",
+                                    "mode": "max", "value": 0.5}
+    assert manifest["models"] == {"alpha": f"{tiny / 'alpha'}/", "beta": str(tiny / "beta")}
+    assert set(manifest["results"]) == {"alpha", "beta"}
+    # metrics: models[0]'s unprefixed, every other model's under models/<name>/
+    assert manifest["metrics"]["exact_match"] == manifest["results"]["alpha"]["exact_match"]
+    assert manifest["metrics"]["models/beta/perplexity"] == manifest["results"]["beta"]["perplexity"]
+    assert json.loads((out / "manifest.json").read_text())["selected"]["name"] == "alpha"
+    results = json.loads((out / "results.json").read_text())
+    assert results["results"] == manifest["results"] and results["selected"] == manifest["selected"]
+    assert results["counts"] == {"prompts": 6, "samples_per_prompt": 1, "completions": 6, "pairs": 4,
+                                 "bad_rows_skipped": 0}
+    samples = json.loads((out / "samples.json").read_text())
+    assert len(samples) == 12 and set(manifest["outputs"]) == {"results", "samples"}
+    first = next(s for s in samples if s["model"] == "beta" and s["index"] == 1)
+    assert first["completion"] == user_data["beta"][1] and first["reference"] == user_data["refs"][1]
+    assert first["score"] == 1.0 and first["group"] == "add" and first["prompt"] == "the model learns"
+
+
+def test_one_mlflow_run_per_model_under_the_stage_run(side_by_side):
+    from mlflow import MlflowClient
+
+    cfg, manifest = side_by_side
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    exp = client.get_experiment_by_name("eval-test")
+    runs = client.search_runs([exp.experiment_id])
+    stage = client.get_run(manifest["mlflow_run_id"])
+    assert stage.data.tags["posttrain.selected_model"] == "alpha"
+    assert stage.data.metrics["exact_match"] == 0.5 and "models/beta/exact_match" in stage.data.metrics
+    nested = {r.data.tags["posttrain.eval_model"]: r for r in runs if "posttrain.eval_model" in r.data.tags}
+    assert set(nested) == {"alpha", "beta"}
+    assert {n: r.info.run_id for n, r in nested.items()} == manifest["mlflow_model_runs"]
+    for name, r in nested.items():
+        assert r.data.tags["mlflow.parentRunId"] == stage.info.run_id
+        assert r.data.params["model"] == manifest["models"][name]
+        # the same keys for both models (up to the other's name in win_rate), MLflow-cleaned
+        assert r.data.metrics["exact_match/task_add"] == manifest["results"][name]["exact_match/task=add"]
+        keys = {k for k in r.data.metrics if not k.startswith("win_rate")}
+        assert keys == {clean_key(k) for k in manifest["results"][name] if not k.startswith("win_rate")}
+        table = json.loads(Path(client.download_artifacts(r.info.run_id, "samples_table.json")).read_text())
+        assert len(table["data"]) == 6 and "completion" in table["columns"]
+    artifacts = {a.path for a in client.list_artifacts(stage.info.run_id)}
+    assert {"results.json", "samples.json", "samples_table.json"} <= artifacts
+
+
+# ------------------------------------------------------------------------------------ sampling, pass@k, judge
+
+
+def test_reward_and_pass_at_k_from_sampled_generations(tiny):
+    from core.manifest import digest
+    from eval_verifiers import reward
+    from stages.evaluate import run
+
+    rows = [{"prompt": p, "bonus": int(i == 2), "task": t} for i, (p, _, t) in enumerate(PROMPTS[:4])]
+    src = write_jsonl(tiny / "prompts.jsonl", rows)
+    cfg = EvalConfig(output_dir=str(tiny / "sampled"), models=[str(tiny / "alpha")], data=[str(src)],
+                     verifier="tests.eval_verifiers:reward", temperature=1.0, num_samples=4, pass_k=[1, 2, 4],
+                     batch_size=3, max_new_tokens=NEW, seed=7, tracking=OFF)
+    m = run(cfg)["results"]["alpha"]
+    assert set(m) >= {"reward", "pass@1", "pass@2", "pass@4"} and "exact_match" not in m
+    # Replay: batch b (first row s) repetition k samples with seed int(sha256([seed, s, k])[:15], 16).
+    samples = json.loads((tiny / "sampled" / "samples.json").read_text())
+    by_prompt: dict[int, list[str]] = {}
+    for batch in (range(0, 3), range(3, 4)):
+        for k in range(4):
+            seed = int(digest([7, batch.start, k])[:15], 16)
+            for i, text in zip(batch, generations(tiny / "alpha", [PROMPTS[i][0] for i in batch], 1.0, seed)):
+                by_prompt.setdefault(i, []).append(text)
+    assert [(s["index"], s["completion"]) for s in samples] == [(i, t) for i in range(4) for t in by_prompt[i]]
+    assert any(len(set(v)) > 1 for v in by_prompt.values())  # the repetitions differ
+    scores = {i: [reward("", t, rows[i]) for t in texts] for i, texts in by_prompt.items()}
+    assert m["reward"] == pytest.approx(sum(map(sum, scores.values())) / 16)
+    counts = [sum(s == 1.0 for s in v) for v in scores.values()]
+    assert counts[2] == 4  # the bonus row always passes
+    for k in (1, 2, 4):
+        expected = sum(1 - math.comb(4 - c, k) / math.comb(4, k) for c in counts) / 4
+        assert m[f"pass@{k}"] == pytest.approx(expected)
+    assert m["reward/task=add"] == pytest.approx(sum(map(sum, [scores[0], scores[1], scores[2]])) / 12)
+
+
+def test_win_rate_by_judge_likelihood(tiny, user_data):
+    from stages.evaluate import run
+
+    cfg = EvalConfig(output_dir=str(tiny / "judged"), models=[str(tiny / "alpha"), str(tiny / "beta")],
+                     data=[str(user_data["file"])], judge=str(tiny / "judge"), metrics=["win_rate"],
+                     max_new_tokens=NEW, tracking=OFF)
+    res = run(cfg)["results"]
+    assert set(res["alpha"]) == {"win_rate/beta", "win_rate/beta/task=add", "win_rate/beta/task=sub"}
+    judge, tok = load(tiny / "judge")
+
+    def mean_ll(prompt, text):
+        s, n = completion_logprob(judge, tok, prompt, text)
+        return s / n
+
+    outcomes = []
+    for (p, _, _), a, b in zip(PROMPTS, user_data["alpha"], user_data["beta"]):
+        la, lb = mean_ll(p, a), mean_ll(p, b)
+        outcomes.append(1.0 if la > lb else 0.5 if la == lb else 0.0)
+    assert res["alpha"]["win_rate/beta"] == pytest.approx(sum(outcomes) / 6)
+    assert res["alpha"]["win_rate/beta/task=sub"] == pytest.approx(sum(outcomes[3:]) / 3)
+    samples = json.loads((tiny / "judged" / "samples.json").read_text())
+    assert samples[0]["judge"] == pytest.approx(mean_ll(PROMPTS[0][0], user_data["alpha"][0]), rel=1e-5)
+
+
+def test_parquet_files_are_read_as_the_users_rows(tiny):
+    from stages.evaluate import run
+
+    chat = [(p, c, t) for p, c, t in PROMPTS if not isinstance(p, str)]
+    comp = write_parquet(tiny / "comp.parquet", [{"prompt": p, "completion": c, "task": t} for p, c, t in chat])
+    pairs = write_parquet(tiny / "pairs.parquet", [{"prompt": p, "chosen": c, "rejected": r}
+                                                   for p, c, r, _ in PAIRS if not isinstance(p, str)])
+    m = run(EvalConfig(output_dir=str(tiny / "pq"), models=[str(tiny / "alpha")], data=[str(comp), str(pairs)],
+                       metrics=["perplexity", "preference_accuracy"], tracking=OFF))["results"]["alpha"]
+    model, tok = load(tiny / "alpha")
+    scored = [completion_logprob(model, tok, p, c) for p, c, _ in chat]
+    assert m["nll"] == pytest.approx(-sum(s for s, _ in scored) / sum(n for _, n in scored), rel=1e-5)
+    wins = [completion_logprob(model, tok, p, c)[0] > completion_logprob(model, tok, p, r)[0]
+            for p, c, r, _ in PAIRS if not isinstance(p, str)]
+    assert m["preference_accuracy"] == pytest.approx(sum(wins) / 3)
+
+
+# ------------------------------------------------------------------------------------ errors before models load
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    import stages.evaluate
+
+    def refuse(*a, **kw):
+        raise AssertionError("a model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(stages.evaluate, "load_model", refuse)
+
+
+@pytest.mark.parametrize("rows,kw,expected", [
+    ([{"prompt": "hi", "task": "x"}], {"metrics": ["exact_match"]}, [r"bad\.jsonl line 1", "'answer'", "reference_column"]),
+    ([{"prompt": "hi", "answer": "1"}, {"prompt": "ho"}], {}, [r"bad\.jsonl line 2: no 'answer' field"]),
+    ([{"prompt": "hi", "answer": "1"}], {"metrics": ["perplexity"]}, [r"bad\.jsonl", "carries a completion"]),
+    ([{"prompt": "hi", "answer": "1"}], {"metrics": ["preference_accuracy"]}, [r"bad\.jsonl", "chosen and rejected"]),
+    ([{"prompt": "hi", "answer": "1"}, '{"prompt": "oops"'], {}, [r"bad\.jsonl line 2", "JSON"]),
+    ([{"messages": [{"role": "bot", "content": "x"}]}], {}, [r"bad\.jsonl line 1", r"messages\[0\]\.role"]),
+    ([{"prompt": "hi", "answer": "1"}], {"verifier": "no_such_module_xyz:f"}, ["no_such_module_xyz"]),
+    ([{"prompt": "hi", "answer": "1", "task": "add"}], {"select": {"metric": "exact_match/task=mul"}},
+     ["select.metric", r"exact_match/task=add"]),
+])
+def test_bad_data_is_a_clear_error_before_any_model_loads(tiny, tmp_path, no_model_loads, rows, kw, expected):
+    from stages.common import StageError
+    from stages.evaluate import run
+
+    src = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(StageError) as err:
+        run(EvalConfig(output_dir=str(tmp_path / "out"), models=[str(tiny / "alpha")], data=[str(src)],
+                       tracking=OFF, **kw))
+    for pattern in expected:
+        assert re.search(pattern, str(err.value)), str(err.value)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_bad_rows_can_be_skipped_and_counted(tiny, tmp_path):
+    from stages.evaluate import run
+
+    src = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "hi", "answer": "1"}, '{"prompt": ', {"prompt": "ho",
+                                                                                                 "answer": "2"}])
+    m = run(EvalConfig(output_dir=str(tmp_path / "out"), models=[str(tiny / "alpha")], data={
+        "sources": [str(src)], "on_bad_row": "skip"}, metrics=["exact_match"], max_new_tokens=2, tracking=OFF))
+    assert m["counts"]["bad_rows_skipped"] == 1 and m["counts"]["prompts"] == 2
+
+
+def test_a_missing_model_is_named_before_any_model_loads(tiny, user_data, tmp_path, no_model_loads):
+    from stages.common import StageError
+    from stages.evaluate import run
+
+    with pytest.raises(StageError, match="no_such_dir"):
+        run(EvalConfig(output_dir=str(tmp_path), models=[str(tiny / "alpha"), str(tmp_path / "no_such_dir")],
+                       data=[str(user_data["file"])], tracking=OFF))
+
+
+def test_a_verifier_failing_mid_run_is_a_stage_error(tiny, user_data, tmp_path):
+    from stages.common import StageError
+    from stages.evaluate import run
+
+    with pytest.raises(StageError, match=r"eval\.jsonl line 1: verifier .*not a number"):
+        run(EvalConfig(output_dir=str(tmp_path), models=[str(tiny / "alpha")], data=[str(user_data["file"])],
+                       verifier="tests.eval_verifiers:broken", metrics=["reward"], max_new_tokens=2, tracking=OFF))
+
+
+# ------------------------------------------------------------------------------------ config and aggregation
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"metrics": ["reward"]}, "set verifier"),
+    ({"metrics": ["win_rate"]}, "win_rate compares models"),
+    ({"judge": "j"}, "at least 2 models"),
+    ({"models": ["a", "b"], "judge": "j", "metrics": ["exact_match"]}, "judge only decides win_rate"),
+    ({"select": {"metric": "perplexity"}}, "select.mode: min"),
+    ({"select": {"metric": "win_rate/x"}}, "cannot rank every model"),
+    ({"select": {"metric": "bleu"}}, "not a metric"),
+    ({"select": {"metric": "exact_match"}, "metrics": ["perplexity"]}, "needs 'exact_match' in metrics"),
+    ({"select": {"metric": "exact_match/lang=en"}}, "group_by='task'"),
+    ({"pass_k": [0]}, "k must be >= 1"),
+    ({"metrics": []}, "computes nothing"),
+    ({"verifier": "just_a_name"}, "module:function"),
+])
+def test_metric_combinations_are_refused_when_the_config_loads(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EvalConfig(**kw)
+
+
+def test_pass_at_k_on_known_counts():
+    from stages.evaluation.metrics import GenRecord, generation_metrics
+
+    recs = [GenRecord(["x"] * 5, primary=[1.0] * c + [0.0] * (5 - c)) for c in (0, 2, 5)]
+    m = generation_metrics(recs, ["pass@k"], [1, 2, 5])
+    assert m["pass@1"] == pytest.approx((0 + 0.4 + 1) / 3)
+    assert m["pass@2"] == pytest.approx((0 + (1 - 3 / 10) + 1) / 3)  # 1 - C(3,2)/C(5,2)
+    assert m["pass@5"] == pytest.approx((0 + 1 + 1) / 3)
+    partial = generation_metrics([GenRecord(["x"], primary=[0.5])], ["pass@k"], [1])
+    assert partial["pass@1"] == 0.0  # a score below 1 does not pass
+
+
+def test_win_rates_by_verifier_scores_with_ties_and_groups():
+    from stages.evaluation.metrics import GenRecord, with_win_rates
+
+    def recs(*scores):
+        return [GenRecord(["x"] * len(s), primary=list(s)) for s in scores]
+
+    gen = {"a": recs([1.0, 0.0], [0.5], [0.2], [1.0]), "b": recs([0.0, 0.0], [0.5], [0.9], [0.0]),
+           "c": recs([0.5, 0.5], [0.5], [0.2], [1.0])}
+    results: dict = {"a": {}, "b": {}, "c": {}}
+    with_win_rates(results, gen, ["x", "x", "y", None], "task", by_judge=False)
+    assert results["a"]["win_rate/b"] == pytest.approx((1 + 0.5 + 0 + 1) / 4)
+    assert results["a"]["win_rate/c"] == pytest.approx(0.5)  # mean 0.5 vs 0.5, then ties
+    assert results["a"]["win_rate/b/task=x"] == pytest.approx(0.75) and results["a"]["win_rate/b/task=y"] == 0.0
+    assert results["b"] == {"win_rate/a": pytest.approx(1 - 2.5 / 4), "win_rate/a/task=x": pytest.approx(0.25),
+                            "win_rate/a/task=y": 1.0}
+
+
+def test_selection_and_names():
+    from stages.evaluation.metrics import select_model
+    from stages.evaluation.plan import model_names
+
+    assert model_names(["runs/sft", "runs/dpo/", "other/sft", "debug", "x/sft-2"]) == \
+        ["sft", "dpo", "sft-2", "debug", "sft-2-2"]
+    results = {"a": {"nll": 2.0}, "b": {"nll": 1.0}, "c": {"nll": 1.0}, "d": {}}
+    assert select_model(results, list(results), ["pa", "pb", "pc", "pd"], "nll", "min")["model"] == "pb"
+    assert select_model(results, list(results), ["pa", "pb", "pc", "pd"], "nll", "max")["name"] == "a"
+
+
+# ------------------------------------------------------------------------------------ ranks
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path):
+    """Sampled generations, perplexity and pairs over 2 torchrun ranks (3 batches: ranks take 2 and 1)
+    equal one process's: the same samples, the same metrics (log-probs to float rounding)."""
+    from stages.evaluate import run
+    from stages.launch import Launch
+    from stages.launch.config import LauncherConfig
+
+    common = dict(models=[str(tiny / "alpha"), str(tiny / "beta")], data=[str(user_data["file"])], batch_size=2,
+                  temperature=1.0, num_samples=2, pass_k=[1, 2], max_new_tokens=NEW, tracking=OFF)
+    one = run(EvalConfig(output_dir=str(tmp_path / "one"), **common))
+    spec = EvalConfig(output_dir=str(tmp_path / "two"), launcher=LauncherConfig(nproc_per_node=2), **common)
+    result = Launch("evaluate", spec, spec.launcher, workdir=tmp_path / ".launch").start().wait()
+    assert result.ok, Path(result.log_file).read_text()[-3000:]
+    two = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert set(two["results"]["alpha"]) == set(one["results"]["alpha"]) >= {"pass@2", "perplexity", "win_rate/beta"}
+    for name in ("alpha", "beta"):
+        for k, v in one["results"][name].items():
+            # generation metrics are equal; log-probs up to float summation order (threads per rank)
+            assert two["results"][name][k] == pytest.approx(v, rel=1e-6), k
+    samples = lambda d: [(s["model"], s["index"], s["completion"]) for s in  # noqa: E731
+                         json.loads((tmp_path / d / "samples.json").read_text())]
+    assert samples("one") == samples("two")
