@@ -37,8 +37,9 @@ def _check_old(old: dict[str, Any]) -> None:
         compare = sec.get("compare_to", []) if stage == "evaluate" else []
         if not isinstance(compare, list) or not all(isinstance(c, str) for c in compare):
             raise ValueError(f"evaluate.compare_to: expected a list of stage names or paths, got {compare!r}")
-        if stage == "evaluate" and not isinstance(sec.get("model") or {}, dict):
-            raise ValueError(f"evaluate.model: expected a mapping, got {type(sec['model']).__name__}")
+        for key in ("model", "teacher", "data"):  # sections the conversion adds references to
+            if not isinstance(sec.get(key) or {}, dict):
+                raise ValueError(f"{stage}.{key}: expected a mapping, got {type(sec[key]).__name__}")
 
 
 def convert(old: dict[str, Any]) -> dict[str, Any]:

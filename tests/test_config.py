@@ -584,6 +584,7 @@ def test_config_command_prints_the_plan_json_and_conversions(tmp_path, capsys, m
     ({"stages": {"dpo": "off"}}, r"^stages\.dpo: expected one of .* true or false"),
     ({"dpo": {"init_from": "nope"}}, r"^dpo\.init_from: 'nope' is not a stage"),
     ({"evaluate": {"compare_to": "dpo"}}, r"^evaluate\.compare_to: expected a list"),  # was read letter by letter
+    ({"distill": {"model": True}}, r"^distill\.model: expected a mapping, got bool"),
 ])
 def test_converting_a_malformed_old_config_names_the_key(tmp_path, old, match):
     from flows.convert import convert_file
