@@ -96,12 +96,18 @@ def test_mlflow_holds_parent_and_children_and_registry_alias(first_run, workdir)
     assert parent.data.tags["posttrain.pipeline"] == "demo"
     assert parent.data.tags["prefect.flow_run_id"]
     assert "mlflow.parentRunId" not in parent.data.tags  # the pipeline run is top-level
-    # Everything the first pipeline run logged: one top-level run, every other run its child.
+    # Everything the first pipeline run logged: one top-level run, a child per node, and under the
+    # evaluate node's run one run per evaluated model (rows MLflow compares side by side).
     during = [r for r in client.search_runs([exp_id], max_results=1000)
               if r.info.start_time <= parent.info.end_time]
     assert [r.info.run_id for r in during if "mlflow.parentRunId" not in r.data.tags] == [first_run.parent_run_id]
     children = _children(client, exp_id, first_run.parent_run_id)
-    assert len(children) == len(during) - 1 == len(STAGE_NAMES)
+    assert len(children) == len(STAGE_NAMES)
+    eval_run = next(r for r in children if r.info.run_name == "evaluate")
+    per_model = _children(client, exp_id, eval_run.info.run_id)
+    assert sorted(r.data.tags["posttrain.eval_model"] for r in per_model) == ["distill", "dpo", "student"]
+    assert all({"exact_match", "perplexity", "preference_accuracy"} <= set(r.data.metrics) for r in per_model)
+    assert len(during) == 1 + len(children) + len(per_model)
     # One child per node, named after the node, tagged with the stage program it ran.
     by_name = {r.info.run_name: r for r in children}
     assert sorted(by_name) == sorted(STAGE_NAMES)
