@@ -133,14 +133,16 @@ def plan_node(dag: PipelineDAG, name: str, upstream: dict[str, Upstream], fetch:
     return spec, cache_key(spec, node.kind, node_inputs(dag, name, upstream, fetched))
 
 
-def _devices(dag: PipelineDAG, name: str, spec: StageConfig):
+def _devices(dag: PipelineDAG, name: str):
+    """(what node `name` asks of the device pool or None, the GPUs the pool has)."""
     from flows.resources import needs, visible_gpus
 
-    res = dag.cfg.resources
+    res, node = dag.cfg.resources, dag.nodes[name].cfg
+    launcher = node.launcher or dag.cfg.launcher
     gpus = visible_gpus() if res.gpus is None else res.gpus
-    device = getattr(getattr(spec, "parallel", None), "device", "cpu")
-    nproc = spec.launcher.nproc_per_node if dag.kind(name) != "data_prep" else 1
-    return needs(device, nproc, spec.launcher.kind, gpus), gpus
+    device = getattr(getattr(node, "parallel", None), "device", "cpu")
+    nproc = launcher.nproc_per_node if node.kind != "data_prep" else 1
+    return needs(device, nproc, launcher.kind, gpus), gpus
 
 
 @task(cache_policy=NO_CACHE, log_prints=True, task_run_name="{name}")
@@ -168,7 +170,7 @@ def run_node(dag: PipelineDAG, name: str, upstream: dict[str, StageResult], pare
         env = {"POSTTRAIN_RUN_NAME": name, **({"POSTTRAIN_PARENT_RUN_ID": parent_run_id} if parent_run_id else {})}
         ctx = get_run_context()
         env["POSTTRAIN_PREFECT_FLOW_RUN_ID"] = str(getattr(ctx.task_run, "flow_run_id", "") or "")
-        need, gpus = _devices(dag, name, spec)
+        need, gpus = _devices(dag, name)
         res = dag.cfg.resources
         pool = pool_for(pool_id, gpus, res.cpu_slots or os.cpu_count() or 1, res.share_gpus)
         lease = pool.lease(*need, node=name) if need else _no_lease()
@@ -211,8 +213,7 @@ def check_resources(dag: PipelineDAG) -> None:
 
     res = dag.cfg.resources
     for name in dag.order:
-        spec = dag.spec(name, {u: Upstream("", "") for u in dag.inputs(name)}, {k: v for k, v in dag.nodes[name].external.items()})
-        need, gpus = _devices(dag, name, spec)
+        need, gpus = _devices(dag, name)
         if need:
             DevicePool(gpus, res.cpu_slots or os.cpu_count() or 1).check(*need, node=name)
 
