@@ -301,9 +301,9 @@ def registry_source(dag: PipelineDAG, results: dict[str, StageResult]) -> dict[s
     per_model = m.get("results", {})
     if m.get("selected"):
         model_path, model_name = m["selected"]["model"], m["selected"]["name"]
-    else:
-        model_name = next(iter(per_model))
-        model_path = (m.get("paths") or {}).get(model_name) or dag.spec(name, {u: Upstream(results[u].output_dir, results[u].digest, results[u].selected) for u in dag.inputs(name)}).models[0]
+    else:  # the first model it evaluated (`order`: manifests store mappings sorted by key)
+        model_name = m["order"][0]
+        model_path = m["models"][model_name]
     return {"evaluate": name, "model_dir": model_path, "model_name": model_name,
             "metrics": per_model.get(model_name, {}), "lineage": {n: r.digest for n, r in results.items()}}
 

@@ -39,8 +39,10 @@ def loss_curves(cfg, results: dict[str, Any]):
 
 
 def eval_results(result) -> dict[str, dict[str, float]]:
-    """{model name: metrics} of an evaluate node's result."""
-    return json.loads((Path(result.output_dir) / "results.json").read_text())["results"]
+    """{model name: metrics} of an evaluate node's result, in the order of its `models`."""
+    summary = json.loads((Path(result.output_dir) / "results.json").read_text())
+    per_model = summary["results"]
+    return {n: per_model[n] for n in summary.get("order", per_model)}
 
 
 def eval_chart(result):

@@ -51,7 +51,9 @@ def register_model(client, name: str, run_id: str, model_dir: Path, metric: str,
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/model"
-    tags = {f"eval.{metric}": str(value), **{f"lineage.{k}": v for k, v in lineage.items()}}
+    from core.tracking.params import clean_key
+
+    tags = {f"eval.{metric}": str(value), **{clean_key(f"lineage.{k}"): v for k, v in lineage.items()}}
     return client.create_model_version(name, source, run_id=run_id, tags=tags)
 
 

@@ -131,6 +131,7 @@ def test_mlflow_holds_parent_and_children_and_registry_alias(first_run, workdir)
     assert parent.data.params["registry.model_name"] == "e2e-model"
     artifacts = {a.path for a in client.list_artifacts(first_run.parent_run_id, "plots")}
     assert {"plots/loss_curves.png", "plots/eval_comparison_evaluate.png"} <= artifacts
+    assert first_run.registered["model"] == "dpo"  # the evaluate node's first model (it selects none)
     version = client.get_model_version_by_alias("e2e-model", "candidate")
     assert version.run_id == first_run.parent_run_id
     assert first_run.registered["promoted"]  # the first model becomes champion

@@ -55,7 +55,10 @@ def test_user_data_dag_runs_end_to_end(tmp_path, monkeypatch):
     first = [json.loads(r) for r in records[:3]]
     assert records and all("prompts.jsonl line" in r["where"] and len(r["samples"]) == 2 for r in first)
     final = read_manifest(run / "final")
-    assert list(final["results"]) == ["dpo@r2", "dpo@r1", "dpo_pairs", pick["selected"]["model"].rsplit("/", 1)[1]]
+    assert final["order"] == ["dpo@r2", "dpo@r1", "dpo_pairs", Path(pick["selected"]["model"]).name]
+    assert [final["models"][n] for n in final["order"]] == [str(run / "dpo@r2"), str(run / "dpo@r1"),
+                                                            str(run / "dpo_pairs"), pick["selected"]["model"]]
+    assert set(final["results"]) == set(final["order"])
     for metrics in final["results"].values():
         assert 0 <= metrics["exact_match"] <= 1 and metrics["exact_match/task=add"] >= 0
     assert result.registered["model"] == final["selected"]["name"]

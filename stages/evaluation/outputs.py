@@ -92,7 +92,9 @@ def write_outputs(cfg: EvalConfig, out: Path, stage: Any, names: list[str], resu
                   metrics: dict[str, float], samples: list[dict[str, Any]], counts: dict[str, int],
                   families: list[str], selected: dict | None) -> dict:
     models = dict(zip(names, cfg.models))
-    summary: dict[str, Any] = {"models": models, "results": results, "counts": counts, "metrics": families}
+    # `order`: the names in cfg.models' order (JSON files store mappings sorted by key); first = models[0]
+    summary: dict[str, Any] = {"models": models, "order": list(names), "results": results, "counts": counts,
+                               "metrics": families}
     if selected is not None:
         summary["selected"] = selected
     dump_json(out / "results.json", summary)
@@ -101,7 +103,7 @@ def write_outputs(cfg: EvalConfig, out: Path, stage: Any, names: list[str], resu
         dump_json(out / "samples.json", samples)
         outputs["samples"] = "samples.json"
     runs = model_runs(cfg, stage, names, results, samples)
-    extra: dict[str, Any] = {"results": results, "models": models, "counts": counts,
+    extra: dict[str, Any] = {"results": results, "models": models, "order": list(names), "counts": counts,
                              "mlflow_run_id": stage.run_id, "mlflow_model_runs": runs}
     if selected is not None:
         extra["selected"] = selected
