@@ -104,11 +104,13 @@ class PipelineResult:
 def post_training(config: PipelineConfig) -> PipelineResult:
     """data prep -> SFT teacher || SFT student -> distillation -> DPO -> evaluation -> registry."""
     from core.tracking import create_tracker
+    from core.tracking.recovery import end_stale_runs
 
     logger = get_run_logger()
     cfg = config
     ctx = get_run_context()
     flow_run_id = str(ctx.flow_run.id)
+    end_stale_runs(cfg.tracking, cfg.name)  # runs of this pipeline whose process was killed: KILLED
     parent = create_tracker(cfg.tracking, run_name=f"{cfg.name}", tags={
         "posttrain.pipeline": cfg.name, "prefect.flow_run_id": flow_run_id,
         "prefect.flow_run_name": str(ctx.flow_run.name)}, rank=0)
