@@ -221,6 +221,25 @@ def test_killed_launcher_takes_its_workers_along(tmp_path):
     assert _all_dead(workers, timeout=60.0)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_killed_torchrun_takes_its_ranks_along(tmp_path):
+    """torchrun SIGKILLed with no launch watching it (its flow process gone too): the ranks get
+    SIGTERM from the kernel (signals.die_with_agent) instead of running on as orphans."""
+    out = tmp_path / "out"
+    spec = tmp_path / "spec.json"
+    spec.write_text(spec_text(ProbeConfig(output_dir=str(out), sleep_s=600)))
+    cmd = [sys.executable, "-m", "stages.launch", "torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+           "-m", PROBE, "--config", str(spec)]
+    torchrun = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    try:
+        workers = _worker_pids(out, 2)
+    finally:
+        torchrun.kill()
+        torchrun.wait()
+    assert _all_dead(workers, timeout=60.0)
+
+
 # ---------------------------------------------------------------------------------- multinode
 
 def _free_port() -> int:

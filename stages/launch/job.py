@@ -70,7 +70,7 @@ class Launch:
             self._sink.put("posttrain: " + shlex.join(cmd))
             for i in range(self.nodes):  # one by one, so that a cancel mid-way finds each started
                 self._runners.append(LocalNode(cmd, env, self._cwd, self._sink,
-                                               f"[node{i}] " if self.nodes > 1 else ""))
+                                               f"[node{i}] " if self.nodes > 1 else "", self.grace_s))
         elif kind == "slurm":
             script = self.workdir / "stage.sbatch"
             script.write_text(render_sbatch(self.module, spec_file, self.launcher, workdir=self.workdir,

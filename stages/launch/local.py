@@ -2,8 +2,9 @@
 'multinode' meeting the others at a c10d rendezvous), stopped with its whole process tree.
 
 torchrun runs in its own session and passes SIGTERM to its workers, but puts each worker in a
-session of its own, so `terminate` snapshots the tree first, SIGTERMs torchrun, and after the grace
-period SIGKILLs whatever of the tree is still alive.
+session of its own, so `terminate` snapshots the tree first, SIGTERMs torchrun (or, when torchrun
+itself was killed, its workers directly), and after the grace period SIGKILLs whatever of the tree
+is still alive.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ class LocalNode:
 
     job_id = None
 
-    def __init__(self, cmd: list[str], env: dict[str, str], cwd: Path, sink: LogSink, prefix: str = ""):
+    def __init__(self, cmd: list[str], env: dict[str, str], cwd: Path, sink: LogSink, prefix: str = "",
+                 grace_s: float = 15.0):
+        self.grace_s = grace_s  # for leftovers of a dead torchrun, as for a cancel
         self.proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -46,7 +49,7 @@ class LocalNode:
             self._next_scan = time.monotonic() + 2.0
         rc = self.proc.poll()
         if rc is not None and self._leftovers():
-            self.terminate(grace_s=5.0)  # torchrun is gone; its leftovers must not outlive it
+            self.terminate(grace_s=self.grace_s)  # torchrun is gone; its leftovers must not outlive it
         if rc is not None:
             self._pump.join(timeout=5.0)  # the last lines, before the caller reads the log
         return rc
@@ -55,6 +58,10 @@ class LocalNode:
         self._scan()  # before signalling: once torchrun exits, its workers leave its tree
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)  # torchrun passes SIGTERM on to its workers
+        else:  # torchrun is gone (killed): nobody passes SIGTERM on, so the workers get it from here
+            for pid, start in self._known.items():
+                if pid != self.proc.pid and proctree.alive(pid, start):
+                    proctree.send(pid, signal.SIGTERM)  # a training rank checkpoints and ends its run
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             self._scan()  # a restart may have started new workers
