@@ -45,8 +45,16 @@ class ChaosConfig:
     config: Path  # the pipeline config file `posttrain run` is given
     overrides: list[str]  # its --set arguments
     stages: list[str]  # the stages that run, in order
+    training: list[str]  # those of them that checkpoint
     name: str  # the pipeline's name (MLflow tag posttrain.pipeline)
     model_name: str  # the registered model
+    run_dir: Path  # where the stages' output directories are
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.run_dir / stage
+
+    def launch_log(self, stage: str) -> Path:
+        return self.run_dir / ".launch" / stage / "launch.log"
 
 
 def chaos_config(workspace: Path) -> ChaosConfig:
@@ -62,12 +70,13 @@ def chaos_config(workspace: Path) -> ChaosConfig:
         "stages.sft_teacher=false", "stages.distill=false",
         "data_prep.synthetic_size=300",
         "sft_student.max_steps=12", "sft_student.eval_interval=6", "sft_student.checkpoint.interval_steps=3",
-        "dpo.init_from=sft_student", "dpo.max_steps=6", "dpo.eval_interval=3", "dpo.checkpoint.interval_steps=1",
+        "dpo.init_from=sft_student", "dpo.max_steps=6", "dpo.epochs=6", "dpo.eval_interval=3",
+        "dpo.checkpoint.interval_steps=2",
         "evaluate.compare_to=[sft_student]", "evaluate.max_examples=8", "evaluate.max_new_tokens=6",
         "stage_retries=0", "retry_delay_s=0",
     ]
     return ChaosConfig(DEMO_CONFIG, overrides, ["data_prep", "sft_student", "dpo", "evaluate"],
-                       "chaos", "chaos-model")
+                       ["sft_student", "dpo"], "chaos", "chaos-model", workspace / "runs" / "chaos")
 
 
 # ------------------------------------------------------------------------------ processes
@@ -171,16 +180,24 @@ def _command(cc: ChaosConfig) -> list[str]:
 # ------------------------------------------------------------------------------ kills
 
 def kill_schedule(rng: random.Random, k: int) -> list[dict]:
-    """k kills: each kind at least once, the rest drawn; each with where (a fraction picking among
-    the stages still to finish, or, for some flow kills, no stage: a moment since the start) and
-    a delay."""
+    """k kills: each kind at least once, the rest drawn. Each has a target (`pick`: a fraction
+    choosing among the stages still to finish when its attempt starts; or, for some flow kills,
+    `anywhere`: a moment since the start, maybe during Prefect's start-up or between stages), a
+    trigger (`up`: the target's ranks are running; `checkpoint`: the target wrote a new checkpoint,
+    so that the rerun resumes from it; at least one kill has it) and a delay after the trigger.
+    At least one flow kill lands while a stage runs."""
     kinds = list(KINDS) + [rng.choice(KINDS) for _ in range(k - len(KINDS))]
     rng.shuffle(kinds)
     plan = []
-    for kind in kinds:
-        anywhere = kind == "flow" and rng.random() < 0.4
-        plan.append({"kind": kind, "pick": rng.random(), "anywhere": anywhere,
-                     "delay_s": round(rng.uniform(5.0, 90.0) if anywhere else rng.uniform(0.0, 20.0), 2)})
+    for i, kind in enumerate(kinds):  # the first flow kill lands in a stage, a later one maybe anywhere
+        anywhere = kind == "flow" and "flow" in kinds[:i] and rng.random() < 0.5
+        trigger = "checkpoint" if rng.random() < 0.5 else "up"
+        delay = rng.uniform(5.0, 90.0) if anywhere else rng.uniform(0.0, 3.0 if trigger == "checkpoint" else 20.0)
+        plan.append({"kind": kind, "pick": round(rng.random(), 3), "anywhere": anywhere,
+                     "trigger": None if anywhere else trigger, "delay_s": round(delay, 2)})
+    if not any(p["trigger"] == "checkpoint" for p in plan):
+        p = next(p for p in plan if not p["anywhere"])
+        p["trigger"], p["delay_s"] = "checkpoint", round(rng.uniform(0.0, 3.0), 2)
     return plan
 
 
@@ -193,65 +210,90 @@ def _stage_running(token: str) -> dict[str, list[tuple[psutil.Process, str]]]:
     return out
 
 
-def _wait_for(attempt: Attempt, cond, timeout: float):
+def _ranks_up(token: str, stage: str) -> bool:
+    return any(r == "rank" for _, r in _stage_running(token).get(stage, []))
+
+
+def _latest(cc: ChaosConfig, stage: str) -> str | None:
+    """The stage's newest complete checkpoint (core.checkpoint's `latest`), None before its first."""
+    try:
+        return (cc.stage_dir(stage) / "checkpoints" / "latest").read_text().strip()
+    except OSError:
+        return None
+
+
+def _wait_for(attempt: Attempt, cond, timeout: float = 900.0):
+    """cond()'s first true value; None if the attempt ended first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if attempt.proc.poll() is not None:
             return None
         if (got := cond()):
             return got
-        time.sleep(0.3)
+        time.sleep(0.25)
     raise AssertionError(f"attempt {attempt.n}: timed out waiting\n{attempt.tail()}")
 
 
-def execute_kill(attempt: Attempt, plan: dict, pending: list[str], rng: random.Random) -> dict | None:
+def _sleep(attempt: Attempt, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    return _wait_for(attempt, lambda: time.monotonic() >= end) is not None
+
+
+def execute_kill(attempt: Attempt, plan: dict, cc: ChaosConfig, pending: list[str],
+                 rng: random.Random) -> dict | None:
     """Carry out one planned kill in `attempt`; what was killed, or None if the attempt ended first."""
-    kind, token = plan["kind"], attempt.token
+    kind, token, target = plan["kind"], attempt.token, None
     if plan["anywhere"]:
-        target = None
-        if _wait_for(attempt, lambda: time.monotonic() - attempt.t0 >= plan["delay_s"] or None, 600) is None:
+        if not _sleep(attempt, plan["delay_s"]):
             return None
     else:
-        target = pending[int(plan["pick"] * len(pending))]
-        # the target stage's ranks are up (the flow's own pace decides when)
-        if _wait_for(attempt, lambda: any(r == "rank" for _, r in _stage_running(token).get(target, [])) or None,
-                     900) is None:
+        trained = [s for s in pending if s in cc.training]
+        among = trained if plan["trigger"] == "checkpoint" and trained else pending
+        target = among[int(plan["pick"] * len(among))]
+        done = cc.stage_dir(target) / "manifest.json"
+        if not _wait_for(attempt, lambda: _ranks_up(token, target) or done.exists()):
             return None
-        t_up = time.monotonic()
-        if _wait_for(attempt, lambda: time.monotonic() - t_up >= plan["delay_s"] or None, 600) is None:
-            return None
-    running = _stage_running(token)
-    if kind == "flow":
-        victim, stage = attempt.proc.pid, next(iter(running), None)
-    else:
-        if not running:  # between two stages: the next one's job
-            running = _wait_for(attempt, lambda: _stage_running(token) or None, 900)
-            if running is None:
+        if plan["trigger"] == "checkpoint" and target in cc.training:
+            before = _latest(cc, target)  # a checkpoint written in this attempt, not one resumed from
+            if not _wait_for(attempt, lambda: _latest(cc, target) not in (None, before)
+                             or not _ranks_up(token, target)):
                 return None
-        stage = target if target in running else sorted(running)[0]
+        if not _sleep(attempt, plan["delay_s"]):
+            return None
+    if kind == "flow":
+        running = _stage_running(token)
+        victim, stage = attempt.proc.pid, (target if target in running else next(iter(running), None))
+    else:  # the target's job, or the job running now (the target may have finished meanwhile)
         role = "rank" if kind == "rank" else "launcher"
-        choices = sorted((p.pid for p, r in running[stage] if r == role))
-        if not choices:  # the launcher has not started its ranks yet, or already lost them
-            return execute_kill(attempt, {**plan, "delay_s": 0.5, "anywhere": False,
-                                          "pick": pending.index(stage) / len(pending) if stage in pending
-                                          else plan["pick"]}, pending, rng)
-        victim = rng.choice(choices)
+
+        def candidates():
+            running = {s: [p.pid for p, r in procs if r == role] for s, procs in _stage_running(token).items()}
+            running = {s: pids for s, pids in running.items() if pids}
+            if running:
+                stage = target if target in running else sorted(running)[0]
+                return stage, sorted(running[stage])
+
+        got = _wait_for(attempt, candidates)
+        if got is None:
+            return None
+        stage, pids = got
+        victim = rng.choice(pids)
     try:
         os.kill(victim, signal.SIGKILL)
     except ProcessLookupError:
         return None
-    return {"attempt": attempt.n, "kind": kind, "target": target or "anywhere", "stage": stage,
-            "pid": victim, "at_s": round(time.monotonic() - attempt.t0, 1)}
+    return {"attempt": attempt.n, "kind": kind, "target": target or "anywhere", "trigger": plan["trigger"],
+            "stage": stage, "pid": victim, "at_s": round(time.monotonic() - attempt.t0, 1),
+            "latest_checkpoint": _latest(cc, stage) if stage in cc.training else None}
 
 
 # ------------------------------------------------------------------------------ outputs
 
-def _digests(cc: ChaosConfig, workspace: Path) -> dict[str, str]:
-    return {s: json.loads((workspace / "runs" / cc.name / s / "manifest.json").read_text())["digest"]
-            for s in cc.stages}
+def _digests(cc: ChaosConfig) -> dict[str, str]:
+    return {s: json.loads((cc.stage_dir(s) / "manifest.json").read_text())["digest"] for s in cc.stages}
 
 
-def _registered_files(cc: ChaosConfig, workspace: Path) -> dict[str, str]:
+def _registered_files(cc: ChaosConfig, workspace: Path, dst: Path) -> dict[str, str]:
     """sha256 of every file of the registered model version under alias `candidate`."""
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
@@ -259,8 +301,8 @@ def _registered_files(cc: ChaosConfig, workspace: Path) -> dict[str, str]:
     uri = f"sqlite:///{workspace / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     version = client.get_model_version_by_alias(cc.model_name, "candidate")
-    local = Path(download_artifacts(artifact_uri=version.source, dst_path=str(workspace / "downloaded"),
-                                    tracking_uri=uri))
+    dst.mkdir(parents=True)
+    local = Path(download_artifacts(artifact_uri=version.source, dst_path=str(dst), tracking_uri=uri))
     files = sorted(f for f in local.rglob("*") if f.is_file())
     assert any(f.suffix == ".safetensors" for f in files), files
     return {str(f.relative_to(local)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
@@ -289,38 +331,44 @@ def _run_to_end(attempt: Attempt, timeout: float = 1500) -> None:
 def test_pipeline_survives_kills_and_reproduces_an_uninterrupted_run(tmp_path):
     t_start = time.monotonic()
     env = _env(tmp_path / "prefect")  # one isolated PREFECT_HOME; each run starts its own ephemeral API
-    ref_ws, ws = tmp_path / "reference", tmp_path / "chaos"
-    for d in (ref_ws, ws):
-        d.mkdir()
-    ref_cc, cc = chaos_config(ref_ws), chaos_config(ws)
-
-    _run_to_end(Attempt(0, _command(ref_cc), ref_ws, env, tmp_path / "reference.log"))
+    # The uninterrupted reference runs first, in a workspace at the same path, then is moved aside:
+    # the same command exactly. (Stage outputs record their inputs' absolute paths, e.g. the LoRA
+    # adapter's base_model_name_or_path and the evaluation's model list, so digests of one
+    # pipeline in two places differ although every weight is equal.)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    cc = chaos_config(ws)
+    _run_to_end(Attempt(0, _command(cc), ws, env, tmp_path / "reference.log"))
+    ref_digests, ref_files = _digests(cc), _registered_files(cc, ws, tmp_path / "registered-reference")
+    os.rename(ws, tmp_path / "reference")
+    ws.mkdir()
     t_ref = time.monotonic() - t_start
 
     rng = random.Random(SEED)
     plan = kill_schedule(rng, KILLS)
     kills: list[dict] = []
     attempts: list[dict] = []
+    orphans: list[str] = []
     n = 0
     while len(kills) < KILLS:
         n += 1
         assert n <= 3 * KILLS, f"only {len(kills)} of {KILLS} kills landed in {n - 1} attempts: {kills}"
-        pending = [s for s in cc.stages if not (ws / "runs" / cc.name / s / "manifest.json").exists()]
-        if not pending:  # finished before every kill was spent: start over from scratch? no: the run is done
-            break
+        pending = [s for s in cc.stages if not (cc.stage_dir(s) / "manifest.json").exists()]
+        assert pending, f"the pipeline finished before all {KILLS} kills landed: {kills}"
         attempt = Attempt(n, _command(cc), ws, env, tmp_path / f"attempt-{n}.log").start()
         try:
-            done = execute_kill(attempt, plan[len(kills)], pending, rng)
-            if done is None:  # the attempt ended before the kill: it must have completed the pipeline
+            done = execute_kill(attempt, plan[len(kills)], cc, pending, rng)
+            if done is None:  # the attempt ended before its kill: then it must have completed the pipeline
                 rc = attempt.wait(60)
                 assert rc == 0, f"attempt {n} failed without a kill ({rc}):\n{attempt.tail()}"
                 attempts.append({"attempt": n, "killed": None, "rc": rc, "pid": attempt.proc.pid})
-                break
+                continue
             kills.append(done)
             if done["kind"] == "flow":
                 attempt.wait(10)
-                # the job the flow launched dies with it; Prefect's ephemeral API server is Prefect's own
+                # the job the flow launched dies with it (Prefect's own ephemeral API server is noted)
                 left = attempt.leftovers(90, allow=("server",))
+                orphans += [f"attempt {n}: {o}" for o in attempt.leftovers(0)]
                 rc = -signal.SIGKILL
             else:
                 rc = attempt.wait(600)
@@ -331,23 +379,24 @@ def test_pipeline_survives_kills_and_reproduces_an_uninterrupted_run(tmp_path):
             attempts.append({"attempt": n, "killed": done, "rc": rc, "pid": attempt.proc.pid})
         finally:
             attempt.reap()
-    if len(kills) == KILLS or not attempts or attempts[-1]["killed"] is not None:
-        n += 1
-        final = Attempt(n, _command(cc), ws, env, tmp_path / f"attempt-{n}.log")
-        _run_to_end(final)
-        attempts.append({"attempt": n, "killed": None, "rc": 0, "pid": final.proc.pid})
-    report = {"seed": SEED, "kills": kills, "attempts": attempts,
+    n += 1
+    final = Attempt(n, _command(cc), ws, env, tmp_path / f"attempt-{n}.log")
+    _run_to_end(final)
+    attempts.append({"attempt": n, "killed": None, "rc": 0, "pid": final.proc.pid})
+    resumes = {s: cc.launch_log(s).read_text().count("resumed from step") for s in cc.training}
+    report = {"seed": SEED, "plan": plan, "kills": kills, "attempts": attempts, "resumes": resumes,
+              "orphans_after_flow_kills": orphans,
               "reference_s": round(t_ref, 1), "total_s": round(time.monotonic() - t_start, 1)}
     (tmp_path / "chaos-report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
-    assert len(kills) == KILLS, report
-    assert {k["kind"] for k in kills} == set(KINDS), report
+    assert len(kills) == KILLS and {k["kind"] for k in kills} == set(KINDS), report
+    assert sum(resumes.values()) >= 1, report  # a kill after a checkpoint: some rerun resumed from it
 
     # The outputs are the uninterrupted run's, bit for bit.
-    assert _digests(cc, ws) == _digests(ref_cc, ref_ws)
-    assert _registered_files(cc, ws) == _registered_files(ref_cc, ref_ws)
+    assert _digests(cc) == ref_digests
+    assert _registered_files(cc, ws, tmp_path / "registered") == ref_files
 
-    # MLflow: nothing left RUNNING; every interrupted attempt FAILED or KILLED; one FINISHED run per stage.
+    # MLflow: nothing left RUNNING; every interrupted attempt FAILED or KILLED; a stage FINISHED once.
     runs = _runs(ws)
     assert [(r.info.run_name, r.info.run_id) for r in runs if r.info.status == "RUNNING"] == []
     parents = {r.info.run_id: r for r in runs if r.data.tags.get("posttrain.pipeline") == cc.name}
@@ -359,18 +408,16 @@ def test_pipeline_survives_kills_and_reproduces_an_uninterrupted_run(tmp_path):
         assert p is None or p.info.status in ("FAILED", "KILLED"), (a, p.info.status)
     assert [r for r in parents.values() if r.info.status == "FINISHED"] == [final_parent]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in parents]
-    assert len(children) == len(runs) - len(parents)
+    assert len(children) == len(runs) - len(parents)  # every run is the pipeline's or a stage's
     pid_of = {a["attempt"]: a["pid"] for a in attempts}
     for k in kills:  # the run of the stage a kill landed in
         p = by_pid.get(pid_of[k["attempt"]])
-        if p is None or k["stage"] is None:
-            continue
         for c in children:
-            if c.data.tags["mlflow.parentRunId"] == p.info.run_id and c.info.run_name == k["stage"]:
+            if p is not None and c.data.tags["mlflow.parentRunId"] == p.info.run_id and c.info.run_name == k["stage"]:
                 assert c.info.status in ("FAILED", "KILLED"), (k, c.info.status)
     for s in cc.stages:  # a stage finishes once (then it is cached), in the run its manifest names
         finished = [c.info.run_id for c in children if c.info.run_name == s and c.info.status == "FINISHED"]
         assert len(finished) <= 1, (s, finished)
-        named = json.loads((ws / "runs" / cc.name / s / "manifest.json").read_text()).get("mlflow_run_id")
+        named = json.loads((cc.stage_dir(s) / "manifest.json").read_text()).get("mlflow_run_id")
         if finished and named:
             assert named == finished[0], s
