@@ -14,10 +14,15 @@ from stages.launch.config import LauncherConfig
 from stages.launch.base import LaunchResult, Runner
 from stages.launch.commands import check_stage_module, local_env, rdzv_id, stage_module, torchrun_command
 from stages.launch.kubernetes import KubeJob, render_kubernetes
-from stages.launch.local import LocalNode
+from stages.launch.local import RECORD, LocalNode, await_earlier
 from stages.launch.logstream import LogSink
 from stages.launch.signals import sigterm_raises
 from stages.launch.slurm import SlurmJob, render_sbatch
+
+
+# How long a launch waits for an earlier one's leftovers beyond its own grace: a training rank told
+# to stop checkpoints first (core.reliability's preemption grace, 60 s by default).
+EARLIER_GRACE_S = 60.0
 
 
 class Launch:
@@ -67,10 +72,11 @@ class Launch:
             # Node launchers on one host must agree on the address the workers meet at.
             addr = "127.0.0.1" if self.nodes > 1 else None
             cmd = torchrun_command(self.module, spec_file, self.launcher, rdzv=rid, local_addr=addr)
+            await_earlier(self.workdir, self._sink, timeout_s=self.grace_s + EARLIER_GRACE_S)
             self._sink.put("posttrain: " + shlex.join(cmd))
             for i in range(self.nodes):  # one by one, so that a cancel mid-way finds each started
-                self._runners.append(LocalNode(cmd, env, self._cwd, self._sink,
-                                               f"[node{i}] " if self.nodes > 1 else "", self.grace_s))
+                self._runners.append(LocalNode(cmd, env, self._cwd, self._sink, f"[node{i}] " if self.nodes > 1 else "",
+                                               self.grace_s, record=self.workdir / RECORD.format(i)))
         elif kind == "slurm":
             script = self.workdir / "stage.sbatch"
             script.write_text(render_sbatch(self.module, spec_file, self.launcher, workdir=self.workdir,
