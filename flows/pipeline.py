@@ -22,7 +22,7 @@ from prefect.context import get_run_context
 from core.config import dump_config
 from flows.config import PipelineConfig
 from stages.config import STAGE_MODULES, StageConfig
-from core.manifest import MANIFEST, digest, is_stage_dir, read_manifest
+from core.manifest import CHECKPOINTS, MANIFEST, clear_partial, digest, is_stage_dir, read_manifest
 from flows.dag import PipelineDAG
 
 KEY_FILE = ".posttrain-cache-key"
@@ -54,7 +54,10 @@ def _prepare_dir(out: Path, key: str) -> bool:
     cleared; one left by a crashed attempt with the same key is kept (its checkpoints resume)."""
     key_file = out / KEY_FILE
     if key_file.exists() and key_file.read_text() == key:
-        return is_stage_dir(out)
+        if is_stage_dir(out):
+            return True
+        clear_partial(out, keep=(KEY_FILE, CHECKPOINTS))  # of what a killed attempt wrote, only checkpoints stay
+        return False
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -104,13 +107,13 @@ class PipelineResult:
 def post_training(config: PipelineConfig) -> PipelineResult:
     """data prep -> SFT teacher || SFT student -> distillation -> DPO -> evaluation -> registry."""
     from core.tracking import create_tracker
-    from core.tracking.recovery import end_stale_runs
+    from flows.recovery import recover
 
     logger = get_run_logger()
     cfg = config
     ctx = get_run_context()
     flow_run_id = str(ctx.flow_run.id)
-    end_stale_runs(cfg.tracking, cfg.name)  # runs of this pipeline whose process was killed: KILLED
+    recover(cfg.tracking, cfg.name)  # what killed runs of this pipeline left: stale runs, orphaned servers
     parent = create_tracker(cfg.tracking, run_name=f"{cfg.name}", tags={
         "posttrain.pipeline": cfg.name, "prefect.flow_run_id": flow_run_id,
         "prefect.flow_run_name": str(ctx.flow_run.name)}, rank=0)

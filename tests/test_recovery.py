@@ -1,5 +1,8 @@
-"""core.tracking.recovery: runs left RUNNING by a process killed outright are ended as KILLED by
-the next run of their pipeline; live runs, other pipelines' runs and runs elsewhere are not."""
+"""What a killed run leaves behind, cleared by the next: MLflow runs left RUNNING by a process
+killed outright end as KILLED (core.tracking.recovery; live runs, other pipelines' runs and runs
+elsewhere do not), an ephemeral Prefect server whose flow process was killed is stopped
+(flows.recovery), and a stage directory a killed attempt left keeps only its checkpoints
+(core.manifest.clear_partial)."""
 
 from __future__ import annotations
 
@@ -87,3 +90,54 @@ def test_an_unreachable_tracking_server_only_skips_the_clean_up(caplog, monkeypa
     assert time.monotonic() - t0 < 60
     assert "could not look for stale MLflow runs" in caplog.text
     assert end_stale_runs(TrackingConfig(enabled=False), "pipe") == []
+
+
+def test_clear_partial_keeps_only_the_checkpoints(tmp_path):
+    from core.manifest import CHECKPOINTS, ManifestError, clear_partial, write_manifest
+
+    out = tmp_path / "stage"
+    (out / CHECKPOINTS / "step-000003").mkdir(parents=True)
+    (out / CHECKPOINTS / "latest").write_text("step-000003")
+    (out / "tokenizer").mkdir()
+    (out / "tokenizer" / ".tokenizer.json.123-abcd.tmp").write_text("half")  # a write cut short by a kill
+    (out / ".key").write_text("k")
+    (out / "results.json").write_text("{")
+    assert clear_partial(out, keep=(".key", CHECKPOINTS)) == ["results.json", "tokenizer"]
+    assert sorted(p.name for p in out.iterdir()) == [".key", CHECKPOINTS]
+    assert (out / CHECKPOINTS / "latest").read_text() == "step-000003"
+    (out / "results.json").write_text("{}")
+    write_manifest(out, "evaluate", {"results": "results.json"})
+    with pytest.raises(ManifestError, match="complete"):  # a finished stage is never cleared
+        clear_partial(out)
+
+
+@pytest.mark.timeout(120)
+def test_an_ephemeral_server_left_by_a_killed_flow_is_stopped(tmp_path):
+    from flows.recovery import SERVER_APP, reap_orphaned_servers
+
+    records = tmp_path / "servers"
+    # A "flow" with a child that looks like Prefect's ephemeral server; it notes it, then is SIGKILLed.
+    script = textwrap.dedent(f"""
+        import subprocess, sys, time
+        from pathlib import Path
+        from flows.recovery import reap_orphaned_servers
+        server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", {SERVER_APP!r}])
+        print(server.pid, reap_orphaned_servers(Path({str(records)!r})), flush=True)
+        time.sleep(600)
+    """)
+    flow = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        pid, stopped = flow.stdout.readline().split(maxsplit=1)
+        server = int(pid)
+        assert stopped.strip() == "[]" and (records / f"{server}.json").exists()
+        assert reap_orphaned_servers(records) == []  # its flow lives: left alone
+    finally:
+        flow.kill()
+        flow.wait()
+    assert reap_orphaned_servers(records) == [server]
+    deadline = time.monotonic() + 30
+    while (alive := process_alive(process_tags(server))) and time.monotonic() < deadline:
+        time.sleep(0.1)  # gone, or a zombie its new parent has not reaped yet
+    assert not alive
+    assert list(records.iterdir()) == []
