@@ -293,27 +293,52 @@ def _digests(cc: ChaosConfig) -> dict[str, str]:
     return {s: json.loads((cc.stage_dir(s) / "manifest.json").read_text())["digest"] for s in cc.stages}
 
 
-def _registered_files(cc: ChaosConfig, workspace: Path, dst: Path) -> dict[str, str]:
-    """sha256 of every file of the registered model version under alias `candidate`."""
+@dataclass
+class Run:
+    run_id: str
+    name: str
+    status: str
+    tags: dict[str, str]
+
+
+def mlflow_facts(workspace: Path, model_name: str, dst: Path) -> dict:
+    """What MLflow holds, read in a fresh process (this one would keep a cached connection to a
+    SQLite file moved away): the sha256 of every file of the model version under alias
+    `candidate` (downloaded into `dst`), and every run (id, name, status, tags)."""
+    script = (f"import json, sys; from test_chaos import _mlflow_facts; "
+              f"print(json.dumps(_mlflow_facts(*sys.argv[1:])))")
+    out = subprocess.run([sys.executable, "-c", script, str(workspace), model_name, str(dst)],
+                         capture_output=True, text=True, cwd=workspace,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    facts["runs"] = [Run(**r) for r in facts["runs"]]
+    return facts
+
+
+def _mlflow_facts(workspace: str, model_name: str, dst: str) -> dict:
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
 
-    uri = f"sqlite:///{workspace / 'mlflow.db'}"
+    uri = f"sqlite:///{Path(workspace) / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    version = client.get_model_version_by_alias(cc.model_name, "candidate")
-    dst.mkdir(parents=True)
-    local = Path(download_artifacts(artifact_uri=version.source, dst_path=str(dst), tracking_uri=uri))
-    files = sorted(f for f in local.rglob("*") if f.is_file())
-    assert any(f.suffix == ".safetensors" for f in files), files
-    return {str(f.relative_to(local)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
-
-
-def _runs(workspace: Path):
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{workspace / 'mlflow.db'}")
+    version = client.get_model_version_by_alias(model_name, "candidate")
+    Path(dst).mkdir(parents=True)
+    local = Path(download_artifacts(artifact_uri=version.source, dst_path=dst, tracking_uri=uri))
+    files = {str(f.relative_to(local)): hashlib.sha256(f.read_bytes()).hexdigest()
+             for f in sorted(local.rglob("*")) if f.is_file()}
     exp = client.get_experiment_by_name("posttrain")
-    return client.search_runs([exp.experiment_id], max_results=10_000)
+    runs = [{"run_id": r.info.run_id, "name": r.info.run_name, "status": r.info.status, "tags": r.data.tags}
+            for r in client.search_runs([exp.experiment_id], max_results=10_000)]
+    return {"registered": files, "runs": runs}
+
+
+def prefect_flow_runs(prefect_home: Path) -> list[tuple[str, str]]:
+    """(name, state type) of every flow run in the Prefect database of `prefect_home`."""
+    import sqlite3
+
+    with sqlite3.connect(prefect_home / "prefect.db") as db:
+        return db.execute("SELECT name, state_type FROM flow_run ORDER BY created").fetchall()
 
 
 def _run_to_end(attempt: Attempt, timeout: float = 1500) -> None:
@@ -339,7 +364,9 @@ def test_pipeline_survives_kills_and_reproduces_an_uninterrupted_run(tmp_path):
     ws.mkdir()
     cc = chaos_config(ws)
     _run_to_end(Attempt(0, _command(cc), ws, env, tmp_path / "reference.log"))
-    ref_digests, ref_files = _digests(cc), _registered_files(cc, ws, tmp_path / "registered-reference")
+    ref_digests = _digests(cc)
+    ref_files = mlflow_facts(ws, cc.model_name, tmp_path / "registered-reference")["registered"]
+    assert any(f.endswith(".safetensors") for f in ref_files), ref_files
     os.rename(ws, tmp_path / "reference")
     ws.mkdir()
     t_ref = time.monotonic() - t_start
@@ -394,30 +421,34 @@ def test_pipeline_survives_kills_and_reproduces_an_uninterrupted_run(tmp_path):
 
     # The outputs are the uninterrupted run's, bit for bit.
     assert _digests(cc) == ref_digests
-    assert _registered_files(cc, ws, tmp_path / "registered") == ref_files
+    facts = mlflow_facts(ws, cc.model_name, tmp_path / "registered")
+    assert facts["registered"] == ref_files
 
     # MLflow: nothing left RUNNING; every interrupted attempt FAILED or KILLED; a stage FINISHED once.
-    runs = _runs(ws)
-    assert [(r.info.run_name, r.info.run_id) for r in runs if r.info.status == "RUNNING"] == []
-    parents = {r.info.run_id: r for r in runs if r.data.tags.get("posttrain.pipeline") == cc.name}
-    by_pid = {int(r.data.tags["posttrain.pid"]): r for r in parents.values()}
+    runs = facts["runs"]
+    assert [(r.name, r.run_id) for r in runs if r.status == "RUNNING"] == []
+    parents = {r.run_id: r for r in runs if r.tags.get("posttrain.pipeline") == cc.name}
+    by_pid = {int(r.tags["posttrain.pid"]): r for r in parents.values()}
     final_parent = by_pid[attempts[-1]["pid"]]
-    assert final_parent.info.status == "FINISHED"
+    assert final_parent.status == "FINISHED"
     for a in attempts[:-1]:
         p = by_pid.get(a["pid"])  # none when the flow was killed before it opened its run
-        assert p is None or p.info.status in ("FAILED", "KILLED"), (a, p.info.status)
-    assert [r for r in parents.values() if r.info.status == "FINISHED"] == [final_parent]
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in parents]
+        assert p is None or p.status in ("FAILED", "KILLED"), (a, p.status)
+    assert [r for r in parents.values() if r.status == "FINISHED"] == [final_parent]
+    children = [r for r in runs if r.tags.get("mlflow.parentRunId") in parents]
     assert len(children) == len(runs) - len(parents)  # every run is the pipeline's or a stage's
+    named = {s: json.loads((cc.stage_dir(s) / "manifest.json").read_text()).get("mlflow_run_id") for s in cc.stages}
+    for s in cc.stages:  # a stage finishes once (then it is cached), in the run its manifest names
+        finished = [c.run_id for c in children if c.name == s and c.status == "FINISHED"]
+        assert len(finished) <= 1, (s, finished)
+        assert not finished or named[s] in (None, finished[0]), s
     pid_of = {a["attempt"]: a["pid"] for a in attempts}
-    for k in kills:  # the run of the stage a kill landed in
+    for k in kills:  # the run of the stage a kill landed in: FAILED or KILLED, unless that stage was done
         p = by_pid.get(pid_of[k["attempt"]])
         for c in children:
-            if p is not None and c.data.tags["mlflow.parentRunId"] == p.info.run_id and c.info.run_name == k["stage"]:
-                assert c.info.status in ("FAILED", "KILLED"), (k, c.info.status)
-    for s in cc.stages:  # a stage finishes once (then it is cached), in the run its manifest names
-        finished = [c.info.run_id for c in children if c.info.run_name == s and c.info.status == "FINISHED"]
-        assert len(finished) <= 1, (s, finished)
-        named = json.loads((cc.stage_dir(s) / "manifest.json").read_text()).get("mlflow_run_id")
-        if finished and named:
-            assert named == finished[0], s
+            if p is not None and c.tags["mlflow.parentRunId"] == p.run_id and c.name == k["stage"]:
+                assert c.status in ("FAILED", "KILLED") or c.run_id == named[k["stage"]], (k, c.status)
+    # Prefect: no flow run left Running (a killed flow's is set Crashed by the next run).
+    states = prefect_flow_runs(tmp_path / "prefect")
+    assert [name for name, state in states if state in ("RUNNING", "PENDING", "SCHEDULED")] == [], states
+    assert sum(state == "CRASHED" for _, state in states) == sum(k["kind"] == "flow" for k in kills), states
