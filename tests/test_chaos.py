@@ -49,6 +49,7 @@ class ChaosConfig:
     name: str  # the pipeline's name (MLflow tag posttrain.pipeline)
     model_name: str  # the registered model
     run_dir: Path  # where the stages' output directories are
+    workspace: Path  # the directory the command runs in (MLflow's database and artifacts)
 
     def stage_dir(self, stage: str) -> Path:
         return self.run_dir / stage
@@ -69,14 +70,14 @@ def chaos_config(workspace: Path) -> ChaosConfig:
         f"tracking.tracking_uri=sqlite:///{workspace / 'mlflow.db'}", "registry.model_name=chaos-model",
         "stages.sft_teacher=false", "stages.distill=false",
         "data_prep.synthetic_size=300",
-        "sft_student.max_steps=12", "sft_student.eval_interval=6", "sft_student.checkpoint.interval_steps=3",
-        "dpo.init_from=sft_student", "dpo.max_steps=6", "dpo.epochs=6", "dpo.eval_interval=3",
-        "dpo.checkpoint.interval_steps=2",
+        "sft_student.max_steps=24", "sft_student.eval_interval=12", "sft_student.checkpoint.interval_steps=4",
+        "dpo.init_from=sft_student", "dpo.max_steps=12", "dpo.epochs=12", "dpo.eval_interval=6",
+        "dpo.checkpoint.interval_steps=3",
         "evaluate.compare_to=[sft_student]", "evaluate.max_examples=8", "evaluate.max_new_tokens=6",
         "stage_retries=0", "retry_delay_s=0",
     ]
     return ChaosConfig(DEMO_CONFIG, overrides, ["data_prep", "sft_student", "dpo", "evaluate"],
-                       ["sft_student", "dpo"], "chaos", "chaos-model", workspace / "runs" / "chaos")
+                       ["sft_student", "dpo"], "chaos", "chaos-model", workspace / "runs" / "chaos", workspace)
 
 
 # ------------------------------------------------------------------------------ processes
@@ -151,13 +152,14 @@ class Attempt:
                 return [f"{r}({s}) pid {p.pid}: {' '.join(p.cmdline())[:200]}" for p, r, s in left if _alive(p)]
             time.sleep(0.5)
 
-    def reap(self) -> None:
-        """Test hygiene, after the checks: whatever of this attempt is still alive goes."""
-        for p in _tagged(self.token):
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+    def reap(self, but: tuple[str, ...] = ()) -> None:
+        """Test hygiene, after the checks: whatever of this attempt is still alive goes (roles in `but` excepted)."""
+        for p, role, _ in _roles(self.token):
+            if role not in but:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -192,12 +194,12 @@ def kill_schedule(rng: random.Random, k: int) -> list[dict]:
     for i, kind in enumerate(kinds):  # the first flow kill lands in a stage, a later one maybe anywhere
         anywhere = kind == "flow" and "flow" in kinds[:i] and rng.random() < 0.5
         trigger = "checkpoint" if rng.random() < 0.5 else "up"
-        delay = rng.uniform(5.0, 90.0) if anywhere else rng.uniform(0.0, 3.0 if trigger == "checkpoint" else 20.0)
+        delay = rng.uniform(5.0, 90.0) if anywhere else rng.uniform(0.0, 1.0 if trigger == "checkpoint" else 20.0)
         plan.append({"kind": kind, "pick": round(rng.random(), 3), "anywhere": anywhere,
                      "trigger": None if anywhere else trigger, "delay_s": round(delay, 2)})
     if not any(p["trigger"] == "checkpoint" for p in plan):
         p = next(p for p in plan if not p["anywhere"])
-        p["trigger"], p["delay_s"] = "checkpoint", round(rng.uniform(0.0, 3.0), 2)
+        p["trigger"], p["delay_s"] = "checkpoint", round(rng.uniform(0.0, 1.0), 2)
     return plan
 
 
@@ -222,15 +224,15 @@ def _latest(cc: ChaosConfig, stage: str) -> str | None:
         return None
 
 
-def _wait_for(attempt: Attempt, cond, timeout: float = 900.0):
-    """cond()'s first true value; None if the attempt ended first."""
+def _wait_for(attempt: Attempt, cond, every_s: float = 0.25, timeout: float = 900.0):
+    """cond()'s first true value (tried every `every_s`); None if the attempt ended first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if attempt.proc.poll() is not None:
             return None
         if (got := cond()):
             return got
-        time.sleep(0.25)
+        time.sleep(every_s)
     raise AssertionError(f"attempt {attempt.n}: timed out waiting\n{attempt.tail()}")
 
 
@@ -255,8 +257,7 @@ def execute_kill(attempt: Attempt, plan: dict, cc: ChaosConfig, pending: list[st
             return None
         if plan["trigger"] == "checkpoint" and target in cc.training:
             before = _latest(cc, target)  # a checkpoint written in this attempt, not one resumed from
-            if not _wait_for(attempt, lambda: _latest(cc, target) not in (None, before)
-                             or not _ranks_up(token, target)):
+            if not _wait_for(attempt, lambda: _latest(cc, target) not in (None, before) or done.exists(), 0.05):
                 return None
         if not _sleep(attempt, plan["delay_s"]):
             return None
@@ -305,8 +306,7 @@ def mlflow_facts(workspace: Path, model_name: str, dst: Path) -> dict:
     """What MLflow holds, read in a fresh process (this one would keep a cached connection to a
     SQLite file moved away): the sha256 of every file of the model version under alias
     `candidate` (downloaded into `dst`), and every run (id, name, status, tags)."""
-    script = (f"import json, sys; from test_chaos import _mlflow_facts; "
-              f"print(json.dumps(_mlflow_facts(*sys.argv[1:])))")
+    script = "import json, sys; from test_chaos import _mlflow_facts; print(json.dumps(_mlflow_facts(*sys.argv[1:])))"
     out = subprocess.run([sys.executable, "-c", script, str(workspace), model_name, str(dst)],
                          capture_output=True, text=True, cwd=workspace,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
@@ -375,44 +375,20 @@ def test_pipeline_survives_kills_and_reproduces_an_uninterrupted_run(tmp_path):
     plan = kill_schedule(rng, KILLS)
     kills: list[dict] = []
     attempts: list[dict] = []
-    orphans: list[str] = []
-    n = 0
-    while len(kills) < KILLS:
-        n += 1
-        assert n <= 3 * KILLS, f"only {len(kills)} of {KILLS} kills landed in {n - 1} attempts: {kills}"
-        pending = [s for s in cc.stages if not (cc.stage_dir(s) / "manifest.json").exists()]
-        assert pending, f"the pipeline finished before all {KILLS} kills landed: {kills}"
-        attempt = Attempt(n, _command(cc), ws, env, tmp_path / f"attempt-{n}.log").start()
-        try:
-            done = execute_kill(attempt, plan[len(kills)], cc, pending, rng)
-            if done is None:  # the attempt ended before its kill: then it must have completed the pipeline
-                rc = attempt.wait(60)
-                assert rc == 0, f"attempt {n} failed without a kill ({rc}):\n{attempt.tail()}"
-                attempts.append({"attempt": n, "killed": None, "rc": rc, "pid": attempt.proc.pid})
-                continue
-            kills.append(done)
-            if done["kind"] == "flow":
-                attempt.wait(10)
-                # the job the flow launched dies with it (Prefect's own ephemeral API server is noted)
-                left = attempt.leftovers(90, allow=("server",))
-                orphans += [f"attempt {n}: {o}" for o in attempt.leftovers(0)]
-                rc = -signal.SIGKILL
-            else:
-                rc = attempt.wait(600)
-                assert rc != 0, f"attempt {n} succeeded although its {done['kind']} was killed:\n{attempt.tail()}"
-                left = attempt.leftovers(30)
-            done["rc"] = rc
-            assert left == [], f"attempt {n}: processes outlived the {done['kind']} kill: {left}\n{attempt.tail()}"
-            attempts.append({"attempt": n, "killed": done, "rc": rc, "pid": attempt.proc.pid})
-        finally:
-            attempt.reap()
-    n += 1
-    final = Attempt(n, _command(cc), ws, env, tmp_path / f"attempt-{n}.log")
-    _run_to_end(final)
-    attempts.append({"attempt": n, "killed": None, "rc": 0, "pid": final.proc.pid})
+    orphans: list[tuple[int, psutil.Process]] = []  # (attempt, Prefect server) of killed flows
+    try:
+        n = run_attempts(cc, env, tmp_path, plan, rng, kills, attempts, orphans)
+        final = Attempt(n + 1, _command(cc), ws, env, tmp_path / f"attempt-{n + 1}.log")
+        _run_to_end(final)
+        attempts.append({"attempt": final.n, "killed": None, "rc": 0, "pid": final.proc.pid})
+        still = {n: p.pid for n, p in orphans if _alive(p)}
+    finally:
+        for _, p in orphans:
+            if _alive(p):
+                p.kill()
     resumes = {s: cc.launch_log(s).read_text().count("resumed from step") for s in cc.training}
     report = {"seed": SEED, "plan": plan, "kills": kills, "attempts": attempts, "resumes": resumes,
-              "orphans_after_flow_kills": orphans,
+              "orphaned_servers": {n: p.pid for n, p in orphans}, "orphaned_servers_left": still,
               "reference_s": round(t_ref, 1), "total_s": round(time.monotonic() - t_start, 1)}
     (tmp_path / "chaos-report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
@@ -435,6 +411,8 @@ def test_pipeline_survives_kills_and_reproduces_an_uninterrupted_run(tmp_path):
         p = by_pid.get(a["pid"])  # none when the flow was killed before it opened its run
         assert p is None or p.status in ("FAILED", "KILLED"), (a, p.status)
     assert [r for r in parents.values() if r.status == "FINISHED"] == [final_parent]
+    # The Prefect API server of a flow killed once its run had begun was stopped by a later run.
+    assert [n for n in still if attempts[n - 1]["pid"] in by_pid] == [], report
     children = [r for r in runs if r.tags.get("mlflow.parentRunId") in parents]
     assert len(children) == len(runs) - len(parents)  # every run is the pipeline's or a stage's
     named = {s: json.loads((cc.stage_dir(s) / "manifest.json").read_text()).get("mlflow_run_id") for s in cc.stages}
@@ -452,3 +430,40 @@ def test_pipeline_survives_kills_and_reproduces_an_uninterrupted_run(tmp_path):
     states = prefect_flow_runs(tmp_path / "prefect")
     assert [name for name, state in states if state in ("RUNNING", "PENDING", "SCHEDULED")] == [], states
     assert sum(state == "CRASHED" for _, state in states) == sum(k["kind"] == "flow" for k in kills), states
+
+
+def run_attempts(cc: ChaosConfig, env: dict, tmp_path: Path, plan: list[dict], rng: random.Random,
+                 kills: list[dict], attempts: list[dict], orphans: list) -> int:
+    """Run the command again and again, each attempt meeting the next planned kill, until all
+    kills are done; returns the number of attempts."""
+    n = 0
+    while len(kills) < KILLS:
+        n += 1
+        assert n <= 3 * KILLS, f"only {len(kills)} of {KILLS} kills landed in {n - 1} attempts: {kills}"
+        pending = [s for s in cc.stages if not (cc.stage_dir(s) / "manifest.json").exists()]
+        assert pending, f"the pipeline finished before all {KILLS} kills landed: {kills}"
+        attempt = Attempt(n, _command(cc), cc.workspace, env, tmp_path / f"attempt-{n}.log").start()
+        try:
+            done = execute_kill(attempt, plan[len(kills)], cc, pending, rng)
+            if done is None:  # the attempt ended before its kill: then it must have completed the pipeline
+                rc = attempt.wait(60)
+                assert rc == 0, f"attempt {n} failed without a kill ({rc}):\n{attempt.tail()}"
+                attempts.append({"attempt": n, "killed": None, "rc": rc, "pid": attempt.proc.pid})
+                continue
+            kills.append(done)
+            if done["kind"] == "flow":
+                attempt.wait(10)
+                # the job the flow launched dies with it; its Prefect API server is left to the next run
+                left = attempt.leftovers(90, allow=("server",))
+                orphans += [(n, p) for p, role, _ in _roles(attempt.token) if role == "server"]
+                rc = -signal.SIGKILL
+            else:
+                rc = attempt.wait(600)
+                assert rc != 0, f"attempt {n} succeeded although its {done['kind']} was killed:\n{attempt.tail()}"
+                left = attempt.leftovers(30)
+            done["rc"] = rc
+            assert left == [], f"attempt {n}: processes outlived the {done['kind']} kill: {left}\n{attempt.tail()}"
+            attempts.append({"attempt": n, "killed": done, "rc": rc, "pid": attempt.proc.pid})
+        finally:
+            attempt.reap(but=("server",) if kills and kills[-1]["attempt"] == n and kills[-1]["kind"] == "flow" else ())
+    return n
