@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,10 +74,11 @@ class Launch:
             addr = "127.0.0.1" if self.nodes > 1 else None
             cmd = torchrun_command(self.module, spec_file, self.launcher, rdzv=rid, local_addr=addr)
             await_earlier(self.workdir, self._sink, timeout_s=self.grace_s + EARLIER_GRACE_S)
+            host = socket.gethostname()  # a shared workdir holds every host's records; each checks its own
             self._sink.put("posttrain: " + shlex.join(cmd))
             for i in range(self.nodes):  # one by one, so that a cancel mid-way finds each started
                 self._runners.append(LocalNode(cmd, env, self._cwd, self._sink, f"[node{i}] " if self.nodes > 1 else "",
-                                               self.grace_s, record=self.workdir / RECORD.format(i)))
+                                               self.grace_s, record=self.workdir / RECORD.format(host=host, node=i)))
         elif kind == "slurm":
             script = self.workdir / "stage.sbatch"
             script.write_text(render_sbatch(self.module, spec_file, self.launcher, workdir=self.workdir,

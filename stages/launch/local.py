@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -27,7 +28,8 @@ from stages.launch import proctree
 from stages.launch.base import LaunchError
 from stages.launch.logstream import LogSink, pump
 
-RECORD = "processes-node{}.json"  # in the launch's workdir: {"owner": [pid, start], "processes": {pid: start}}
+# In the launch's workdir, per host and node: {"owner": [pid, start], "processes": {pid: start}}.
+RECORD = "processes-{host}-node{node}.json"
 
 
 class LocalNode:
@@ -101,7 +103,7 @@ def await_earlier(workdir: Path, sink: LogSink, timeout_s: float) -> None:
     launching process was killed; they got SIGTERM and are on their way out) are waited for up to
     `timeout_s`, then SIGKILLed. An earlier launch whose launching process still lives is another
     launch of the same stage going on now: LaunchError, as two jobs must not share an output dir."""
-    for record in sorted(workdir.glob(RECORD.format("*"))):
+    for record in sorted(workdir.glob(RECORD.format(host=socket.gethostname(), node="*"))):
         try:
             data = json.loads(record.read_text())
             owner = (int(data["owner"][0]), int(data["owner"][1]))
