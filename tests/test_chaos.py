@@ -1,18 +1,23 @@
 """Chaos: the demo pipeline (reduced) driven as a user drives it, `python -m flows.cli run CONFIG
---set ...`, while a seeded RNG SIGKILLs, at random moments, a training rank, the torchrun
-launcher, or the flow process itself; after each kill the same command is run again, and the
-next kill may land in that rerun. Once K kills are done the command runs to completion.
+--set ...`, while a seeded RNG SIGKILLs, at chosen moments, a training rank, the torchrun
+launcher, or the flow process itself (while a stage runs, right after it wrote a checkpoint, or
+at any moment); after each kill the same command runs again, and the next kill lands in that
+rerun. Once K kills are done the command runs to completion.
 
-Then, against an uninterrupted run of the same command in a workspace of its own:
+Then, against an uninterrupted run of the same command (run first, at the same path, then moved
+aside), and with some rerun having resumed from a checkpoint:
 - every stage's manifest digest, and the registered model's files, are bitwise equal;
-- in MLflow no run is left RUNNING, every interrupted attempt's pipeline run and the run of the
-  stage it was killed in are FAILED or KILLED, and each stage has exactly one FINISHED run (the
-  one its manifest names: a stage finished inside an interrupted attempt is cached, not rerun);
+- MLflow: no run is left RUNNING; every interrupted attempt's pipeline run, and its run of the
+  stage the kill landed in, are FAILED or KILLED (unless that stage had finished: then it is its
+  one FINISHED run, the one its manifest names, and the reruns use it from the cache);
+- Prefect: no flow run is left Running, a killed flow's is Crashed;
 - no process of an attempt outlives it: after a rank or the launcher is killed the flow fails
-  and exits, and after the flow is killed its launcher and ranks die with it.
+  and exits; after the flow is killed its launcher and ranks die with it, and its ephemeral
+  Prefect API server is stopped by the next run.
 
 POSTTRAIN_CHAOS_SEED and POSTTRAIN_CHAOS_KILLS choose another schedule; the kill points, and
-what each attempt did, are printed and written to <tmp>/chaos-report.json.
+what each attempt did, are printed and written to <tmp>/chaos-report.json. The run takes about
+10 minutes on 2 busy CPU cores (the uninterrupted reference about 4 of them).
 """
 
 from __future__ import annotations
