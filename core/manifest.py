@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from core.atomic import write_json_atomic
 
 MANIFEST = "manifest.json"
+CHECKPOINTS = "checkpoints"  # a training stage's resume checkpoints, inside its output directory
 
 
 class ManifestError(ValueError):
@@ -110,3 +113,23 @@ def verify_manifest(stage_dir: str | Path) -> list[str]:
         if not p.exists() or file_sha256(p) != h:
             bad.append(rel)
     return bad
+
+
+def clear_partial(stage_dir: str | Path, keep: Iterable[str] = (CHECKPOINTS,)) -> list[str]:
+    """Before a stage reruns in the directory a failed or killed attempt left (no manifest): remove
+    all but `keep` (its checkpoints, which the rerun resumes from), so that the outputs the rerun
+    hashes hold only what it writes, never a half-written file or a temporary one of the attempt
+    before. Returns the names removed."""
+    stage_dir, keep = Path(stage_dir), set(keep)
+    if (stage_dir / MANIFEST).exists():
+        raise ManifestError(f"{stage_dir}: complete (has {MANIFEST}); not clearing it")
+    removed = []
+    for p in sorted(stage_dir.iterdir()) if stage_dir.is_dir() else []:
+        if p.name in keep:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+        removed.append(p.name)
+    return removed

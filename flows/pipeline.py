@@ -22,7 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from core.config import dump_config
-from core.manifest import MANIFEST, digest, is_stage_dir, read_manifest
+from core.manifest import CHECKPOINTS, MANIFEST, clear_partial, digest, is_stage_dir, read_manifest
 from flows.config import PipelineConfig
 from flows.dag import PipelineDAG, Upstream
 from stages.config import StageConfig
@@ -81,7 +81,10 @@ def _prepare_dir(out: Path, key: str) -> bool:
     cleared; one left by a crashed attempt with the same key is kept (its checkpoints resume)."""
     key_file = out / KEY_FILE
     if key_file.exists() and key_file.read_text() == key:
-        return is_stage_dir(out)
+        if is_stage_dir(out):
+            return True
+        clear_partial(out, keep=(KEY_FILE, CHECKPOINTS))  # of what a killed attempt wrote, only checkpoints stay
+        return False
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -223,6 +226,7 @@ def post_training(config: PipelineConfig) -> PipelineResult:
     """The user's DAG of nodes (flows.dag), then the registry."""
     from core.tracking import create_tracker
     from flows.resources import release_pool
+    from flows.recovery import recover
 
     logger = get_run_logger()
     cfg = config
@@ -230,6 +234,7 @@ def post_training(config: PipelineConfig) -> PipelineResult:
     check_resources(dag)
     ctx = get_run_context()
     flow_run_id = str(ctx.flow_run.id)
+    recover(cfg.tracking, cfg.name)  # what killed runs of this pipeline left: stale runs, orphaned servers
     parent = create_tracker(cfg.tracking, run_name=f"{cfg.name}", tags={
         "posttrain.pipeline": cfg.name, "prefect.flow_run_id": flow_run_id,
         "prefect.flow_run_name": str(ctx.flow_run.name)}, rank=0)

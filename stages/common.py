@@ -36,6 +36,12 @@ class StageError(RuntimeError):
 
 
 def parse_spec(cls: type[C], argv: list[str] | None = None) -> C:
+    """The stage's spec from `--config`; first, under the torchrun wrapper, the rank is bound to
+    die with its torchrun (stages.launch.signals.die_with_agent), and exits if it is gone."""
+    from stages.launch.signals import die_with_agent
+
+    if not die_with_agent():
+        sys.exit(128 + 15)  # torchrun died while this rank started: nobody waits for it
     parser = argparse.ArgumentParser(description=f"posttrain stage ({cls.__name__})")
     parser.add_argument("--config", required=True, help="stage spec JSON (core.config.to_json_file)")
     return from_json_file(cls, parser.parse_args(argv).config)

@@ -13,6 +13,8 @@ beside the outputs. Chosen and rejected share one forward.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -52,9 +54,11 @@ def reference_logps(model, pairs: list[PreferencePair], cfg: DPOConfig, d: Dist,
         out.append(torch.stack([logps[:n], logps[n:]], dim=1).float().cpu())
     model.train(was)
     result = torch.cat(out)
-    if d.is_main:
+    if d.is_main:  # whole or absent: a save cut short by a kill must not be loaded as the cache
         cache.mkdir(parents=True, exist_ok=True)
-        save_file({"logps": result}, str(path))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file({"logps": result}, str(tmp))
+        os.replace(tmp, path)
     d.barrier()
     return result
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from core.checkpoint import CheckpointManager
+from core.manifest import CHECKPOINTS
 from stages.config import TrainStageConfig
 from core.lora import apply_lora
 from core.loop import fit
@@ -209,7 +210,7 @@ def train(s: Session, plan: Plan) -> tuple[dict[str, float], dict[str, float], f
     cfg = s.cfg
     steps = total_steps(cfg, len(plan.loader))
     trainer = build_trainer(s, steps)
-    manager = CheckpointManager.from_config(s.out / "checkpoints", cfg.checkpoint, trainable_only=cfg.lora.enabled,
+    manager = CheckpointManager.from_config(s.out / CHECKPOINTS, cfg.checkpoint, trainable_only=cfg.lora.enabled,
                                             config=cfg.model_dump(mode="json"))
     before = plan.validate()
     s.run.log_metrics({f"{k}_initial": v for k, v in before.items()}, step=0)

@@ -27,6 +27,7 @@ from core.data.encode import Document, PreferencePair
 from core.data.errors import DropStats
 from core.data.sampler import StatefulLoader
 from core.lora import apply_lora, merged_state_dict
+from core.manifest import CHECKPOINTS
 from core.model import Transformer
 from core.parallel import full_state_dict
 from stages.common import Dist
@@ -193,4 +194,4 @@ def gathered_copy(model, cfg: TrainStageConfig) -> Transformer | None:
 def clear_checkpoints(out: Path, d: Dist) -> None:
     """Checkpoints are for resuming this stage; once its outputs are written they go."""
     if d.is_main:
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)

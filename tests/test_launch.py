@@ -23,7 +23,7 @@ import yaml
 from core.config import spec_text
 from stages.launch.config import KubernetesOptions, LauncherConfig, SlurmOptions
 from probe_stage import MODULE as PROBE, ProbeConfig
-from stages.launch import Launch, launch_nodes, launch_stage, render_kubernetes, render_sbatch
+from stages.launch import Launch, LaunchError, launch_nodes, launch_stage, render_kubernetes, render_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -219,6 +219,59 @@ def test_killed_launcher_takes_its_workers_along(tmp_path):
         flow.kill()
         flow.wait()
     assert _all_dead(workers, timeout=60.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_killed_torchrun_takes_its_ranks_along(tmp_path):
+    """torchrun SIGKILLed with no launch watching it (its flow process gone too): the ranks get
+    SIGTERM from the kernel (signals.die_with_agent) instead of running on as orphans."""
+    out = tmp_path / "out"
+    spec = tmp_path / "spec.json"
+    spec.write_text(spec_text(ProbeConfig(output_dir=str(out), sleep_s=600)))
+    cmd = [sys.executable, "-m", "stages.launch", "torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+           "-m", PROBE, "--config", str(spec)]
+    torchrun = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    try:
+        workers = _worker_pids(out, 2)
+    finally:
+        torchrun.kill()
+        torchrun.wait()
+    assert _all_dead(workers, timeout=60.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_relaunch_waits_for_the_leftovers_of_a_killed_launch(tmp_path):
+    """A launch from the workdir of a live launch refuses to start; once that launch's process is
+    killed outright, its job (ranks that ignore SIGTERM, like a slow final checkpoint) lingers, and
+    the next launch waits for it to be gone before starting its own ranks."""
+    out, work = tmp_path / "out", tmp_path / "w"
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from stages.launch.config import LauncherConfig
+        from stages.launch import launch_stage
+        from tests.probe_stage import MODULE, ProbeConfig
+        launch_stage(MODULE, ProbeConfig(output_dir={str(out)!r}, sleep_s=600, ignore_sigterm=True),
+                     LauncherConfig(nproc_per_node=1), workdir=Path({str(work)!r}))
+    """)
+    flow = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    try:
+        workers = _worker_pids(out, 1)
+        with pytest.raises(LaunchError, match="another launch from .* is running"):
+            launch_stage(PROBE, ProbeConfig(output_dir=str(tmp_path / "out2")), LauncherConfig(nproc_per_node=1),
+                         workdir=work)
+    finally:
+        flow.kill()
+        flow.wait()
+    assert not _all_dead(workers, timeout=2.0)  # torchrun got SIGTERM; the rank ignores it, for now
+    result = launch_stage(PROBE, ProbeConfig(output_dir=str(tmp_path / "out3")), LauncherConfig(nproc_per_node=1),
+                          workdir=work, grace_s=1.0)
+    assert result.ok and not any(_alive(p) for p in workers)
+    log = result.log_file.read_text()
+    (line,) = [ln for ln in log.splitlines() if "of an earlier launch, whose launcher is gone" in ln]
+    assert str(workers[0]) in line  # the rank was named among the earlier launch's and waited for,
+    assert log.index(line) < log.rindex("stages.launch torchrun")  # before this launch's torchrun started
 
 
 # ---------------------------------------------------------------------------------- multinode

@@ -165,7 +165,8 @@ def test_outage_buffers_then_delivers(backend, monkeypatch, caplog):
         for step in range(10):  # never raises; the two oldest points fall out of the bounded buffer
             tr.log_metrics({"loss": float(step)}, step=step)
         assert tr.flush(timeout=30) is False and tr.flush(timeout=30) is False
-        assert tr.dropped == 2 and tr.pending() == 8 + 1
+        # pending: 8 metric points, the param, and the 3 tags saying where the run runs (host, pid, start)
+        assert tr.dropped == 2 and tr.pending() == 8 + 1 + 3
         assert caplog.text.count("unreachable or failing") == 1  # once per outage
 
         tr.tracking_uri = cfg.tracking_uri  # the backend is there again (here: failover to sqlite)

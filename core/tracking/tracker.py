@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from core.tracking.params import (MASK, MAX_TAG_LEN, check_artifact_path, clean_key,
                                   flatten_params, is_secret_key, mask_secrets, plain, truncate)
+from core.tracking.recovery import process_tags
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,8 @@ class Tracker(NullTracker):
         self._tags: dict[str, str] = {}
         self._artifacts: deque[tuple[str, str | None]] = deque()
         self._wake, self._stop = threading.Event(), threading.Event()
-        self.set_tags({**getattr(tracking, "tags", {}), **(tags or {})})
+        # where the run runs, so that a later run can tell it was killed (core.tracking.recovery)
+        self.set_tags({**getattr(tracking, "tags", {}), **(tags or {}), **process_tags()})
 
         self._client = None
         self._running = False  # the run exists and is RUNNING (created or resumed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,10 +15,15 @@ from stages.launch.config import LauncherConfig
 from stages.launch.base import LaunchResult, Runner
 from stages.launch.commands import check_stage_module, local_env, rdzv_id, stage_module, torchrun_command
 from stages.launch.kubernetes import KubeJob, render_kubernetes
-from stages.launch.local import LocalNode
+from stages.launch.local import RECORD, LocalNode, await_earlier
 from stages.launch.logstream import LogSink
 from stages.launch.signals import sigterm_raises
 from stages.launch.slurm import SlurmJob, render_sbatch
+
+
+# How long a launch waits for an earlier one's leftovers beyond its own grace: a training rank told
+# to stop checkpoints first (core.reliability's preemption grace, 60 s by default).
+EARLIER_GRACE_S = 60.0
 
 
 class Launch:
@@ -67,10 +73,12 @@ class Launch:
             # Node launchers on one host must agree on the address the workers meet at.
             addr = "127.0.0.1" if self.nodes > 1 else None
             cmd = torchrun_command(self.module, spec_file, self.launcher, rdzv=rid, local_addr=addr)
+            await_earlier(self.workdir, self._sink, timeout_s=self.grace_s + EARLIER_GRACE_S)
+            host = socket.gethostname()  # a shared workdir holds every host's records; each checks its own
             self._sink.put("posttrain: " + shlex.join(cmd))
             for i in range(self.nodes):  # one by one, so that a cancel mid-way finds each started
-                self._runners.append(LocalNode(cmd, env, self._cwd, self._sink,
-                                               f"[node{i}] " if self.nodes > 1 else ""))
+                self._runners.append(LocalNode(cmd, env, self._cwd, self._sink, f"[node{i}] " if self.nodes > 1 else "",
+                                               self.grace_s, record=self.workdir / RECORD.format(host=host, node=i)))
         elif kind == "slurm":
             script = self.workdir / "stage.sbatch"
             script.write_text(render_sbatch(self.module, spec_file, self.launcher, workdir=self.workdir,

@@ -47,6 +47,11 @@ def tree(root: int) -> dict[int, int]:
     return found
 
 
+def start_time(pid: int) -> int:
+    """The process's start time (clock ticks since boot; 0 where there is no /proc); OSError if gone."""
+    return int(_stat(pid)[19]) if os.path.isdir("/proc/self") else 0
+
+
 def alive(pid: int, start: int) -> bool:
     """Still running: not gone, not a zombie, and not a new process that reused the pid."""
     if not os.path.isdir("/proc/self"):

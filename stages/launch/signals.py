@@ -1,5 +1,6 @@
 """How a launch dies with whoever started it: SIGTERM to the waiting flow process cancels the
-launch, and a torchrun started here gets SIGTERM from the kernel when its launching thread dies."""
+launch, a torchrun started here gets SIGTERM from the kernel when its launching thread dies, and
+each rank gets SIGTERM when its torchrun dies (a training rank then checkpoints and exits 75)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 LAUNCHER_PID_ENV = "POSTTRAIN_LAUNCHER_PID"  # a local launch tells its torchrun who started it
+AGENT_PID_ENV = "POSTTRAIN_AGENT_PID"  # the torchrun wrapper tells its ranks who started them
 
 
 @contextmanager
@@ -43,3 +45,15 @@ def die_with_launcher(launcher_pid: int) -> bool:
 
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
     return os.getppid() == launcher_pid
+
+
+def die_with_agent() -> bool:
+    """In a rank: SIGTERM from the kernel when the torchrun that started it dies. torchrun passes
+    its own SIGTERM on, but a torchrun killed outright (SIGKILL, the OOM killer) would leave its
+    ranks running, training and writing into the stage directory while the flow's rerun of the
+    stage starts there. False when that torchrun is already gone (the rank should exit); True
+    when there is none to die with (a rank not started by the wrapper) or not on Linux."""
+    agent = os.environ.pop(AGENT_PID_ENV, None)
+    if not agent or not agent.isdigit():
+        return True
+    return die_with_launcher(int(agent))

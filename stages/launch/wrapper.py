@@ -1,8 +1,9 @@
 """`python -m stages.launch torchrun ...`: torchrun with its own arguments, plus what the
 launchers need of it. It exits with the first failing rank's exit code (torchrun exits 1 whatever
 the rank's), dies with the launching thread when started by a local launch (torchrun then stops
-its workers), and takes `--chdir=DIR` first, for pods. torch is imported only here, in torchrun's
-process, never in the launching one."""
+its workers), has its ranks die with it (signals.die_with_agent, called by each stage), and
+takes `--chdir=DIR` first, for pods. torch is imported only here, in torchrun's process, never in
+the launching one."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import os
 import signal
 import sys
 
-from stages.launch.signals import LAUNCHER_PID_ENV, die_with_launcher
+from stages.launch.signals import AGENT_PID_ENV, LAUNCHER_PID_ENV, die_with_launcher
 
 
 def torchrun(argv: list[str]) -> int:
     parent = os.environ.pop(LAUNCHER_PID_ENV, None)
     if parent and not die_with_launcher(int(parent)):
         return 128 + signal.SIGTERM
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the ranks inherit it (torchrun copies its env)
     if argv and argv[0].startswith("--chdir="):
         os.chdir(argv.pop(0).split("=", 1)[1])
     from torch.distributed import run
