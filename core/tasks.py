@@ -15,6 +15,7 @@ from typing import Callable
 from core.rewards import exact_match
 
 LETTERS = "abcdefghij"
+DIGITS = "0123456789"
 
 
 @dataclass(frozen=True)
@@ -36,45 +37,56 @@ class Example:
                 "rejected": [{"role": "assistant", "content": self.wrong}]}
 
 
-def _perturb_digits(s: str, rng: random.Random) -> str:
-    i = rng.randrange(len(s))
-    d = str((int(s[i]) + rng.choice([1, 9])) % 10)
-    return s[:i] + d + s[i + 1:]
+def _spaced(items) -> str:
+    """One symbol per word: the tokenizer gives each its own token (digits are split singly, and a
+    space-led letter is one pre-token), so a tiny model can learn the task symbol by symbol."""
+    return " ".join(map(str, items))
 
 
-def _add(rng: random.Random) -> Example:
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
-    ans = str(a + b)
-    return Example("add", f"add {a} {b}", ans, _perturb_digits(ans, rng))
+def _letters(rng: random.Random) -> list[str]:
+    return [rng.choice(LETTERS) for _ in range(rng.randint(3, 6))]
+
+
+def _change_one(xs: list, alphabet: str, rng: random.Random) -> list:
+    """`xs` with one symbol replaced by its neighbour in `alphabet`: a near miss."""
+    i = rng.randrange(len(xs))
+    out = list(xs)
+    out[i] = alphabet[(alphabet.index(str(xs[i])) + rng.choice([1, -1])) % len(alphabet)]
+    return out
+
+
+def _copy(rng: random.Random) -> Example:
+    w = _letters(rng)
+    return Example("copy", "copy " + _spaced(w), _spaced(w), _spaced(_change_one(w, LETTERS, rng)))
+
+
+def _reverse(rng: random.Random) -> Example:
+    w = _letters(rng)
+    ans = w[::-1]
+    wrong = w if w != ans else _change_one(ans, LETTERS, rng)  # a palindrome: a near miss instead
+    return Example("reverse", "reverse " + _spaced(w), _spaced(ans), _spaced(wrong))
 
 
 def _sort(rng: random.Random) -> Example:
     xs = [rng.randint(0, 9) for _ in range(rng.randint(3, 5))]
-    ans = " ".join(map(str, sorted(xs)))
-    wrong = " ".join(map(str, xs)) if xs != sorted(xs) else " ".join(map(str, sorted(xs, reverse=True)))
+    ans = sorted(xs)
+    wrong = xs if xs != ans else ans[::-1]
     if wrong == ans:  # all equal: change one element
-        wrong = " ".join(map(str, [(xs[0] + 1) % 10] + sorted(xs)[1:]))
-    return Example("sort", "sort " + " ".join(map(str, xs)), ans, wrong)
-
-
-def _reverse(rng: random.Random) -> Example:
-    w = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 6)))
-    ans = w[::-1]
-    wrong = w if w != ans else w[1:] + w[0]
-    if wrong == ans:
-        wrong = ans[:-1]
-    return Example("reverse", f"reverse {w}", ans, wrong)
+        wrong = _change_one(ans, DIGITS, rng)
+    return Example("sort", "sort " + _spaced(xs), _spaced(ans), _spaced(wrong))
 
 
 def _max(rng: random.Random) -> Example:
-    xs = rng.sample(range(10, 100), rng.randint(3, 5))
-    ans = str(max(xs))
-    wrong = str(sorted(xs)[-2])
-    return Example("max", "max " + " ".join(map(str, xs)), ans, wrong)
+    # The maximum is drawn first, uniformly, so that no one answer ("9") is right most of the time.
+    top = rng.randint(1, 9)
+    others = [rng.randint(0, top - 1) for _ in range(rng.randint(2, 5))]
+    xs = others[:]
+    xs.insert(rng.randrange(len(xs) + 1), top)
+    return Example("max", "max " + _spaced(xs), str(top), str(max(others)))  # the runner-up: the usual slip
 
 
 TASKS: dict[str, Callable[[random.Random], Example]] = {
-    "add": _add, "sort": _sort, "reverse": _reverse, "max": _max,
+    "copy": _copy, "reverse": _reverse, "sort": _sort, "max": _max,
 }
 
 

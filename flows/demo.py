@@ -40,11 +40,13 @@ def main(overrides: list[str] | None = None) -> int:
         if ev.kind != "evaluate":
             continue
         per_model = eval_results(ev)
-        t = Table(title=f"{name} (test split)")
-        for col in ("model", "exact_match", "perplexity"):
+        tasks = sorted({k.split("=", 1)[1] for m in per_model.values() for k in m if k.startswith("exact_match/task=")})
+        t = Table(title=f"{name}: exact match on the held-out test split, per task")
+        for col in ("model", "exact_match", *tasks, "perplexity"):
             t.add_column(col)
         for model, m in per_model.items():
-            t.add_row(model, _fmt(m.get("exact_match")), _fmt(m.get("perplexity")))
+            t.add_row(model, _fmt(m.get("exact_match")), *(_fmt(m.get(f"exact_match/task={k}")) for k in tasks),
+                      _fmt(m.get("perplexity")))
         console.print(t)
     if result.registered:
         r = result.registered

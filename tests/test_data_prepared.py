@@ -113,15 +113,15 @@ def test_dedup_length_filters_and_bad_rows_are_counted(tmp_path, tok_dir):
 def test_synthetic_suite_and_trained_tokenizer(tmp_path):
     def prep(name, **kw):
         out = tmp_path / name
-        return out, prepare(DataPrepConfig(output_dir=str(out), synthetic_size=60, synthetic_tasks=["add", "max"],
+        return out, prepare(DataPrepConfig(output_dir=str(out), synthetic_size=100, synthetic_tasks=["sort", "max"],
                                            vocab_size=300, tracking=OFF, **kw))
 
     out, m = prep("a", synthetic_seed=3)
     assert m["metrics"]["vocab_size"] <= 300
     rows = read_rows(out, "sft", "train")
-    assert {r["task"] for r in rows} == {"add", "max"} and all(r["answer"] for r in rows)
+    assert {r["task"] for r in rows} == {"sort", "max"} and all(r["answer"] for r in rows)
     pairs = read_pairs(out, "validation")
-    assert pairs and all(r["task"] in ("add", "max") and p.chosen_labels[-1] == IGNORE_INDEX for p, r in pairs)
+    assert pairs and all(r["task"] in ("sort", "max") and p.chosen_labels[-1] == IGNORE_INDEX for p, r in pairs)
     again, _ = prep("b", synthetic_seed=3)
     other, _ = prep("c", synthetic_seed=4)
     assert read_rows(again, "sft", "train") == rows != read_rows(other, "sft", "train")

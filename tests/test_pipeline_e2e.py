@@ -21,6 +21,7 @@ TINY = [
     "nodes.student.max_steps=6", "nodes.student.eval_interval=3",
     "nodes.distill.max_steps=4", "nodes.distill.eval_interval=2",
     "nodes.dpo.max_steps=4", "nodes.dpo.eval_interval=2",
+    "nodes.dpo.rounds=1", "nodes.evaluate.models=[dpo, distill, student]",
     "nodes.evaluate.max_examples=8", "nodes.evaluate.max_new_tokens=6",
     "stage_retries=1", "retry_delay_s=0",
 ]
