@@ -2,9 +2,9 @@
 overridden but where it writes) run end to end, then the held-out exact match of every model is
 held to the aims, with a margin for another machine's float rounding:
 
-    teacher >= 0.5, student >= 0.25, distillation well above the student's SFT, and the second
-    on-policy DPO round above distillation (round 1 alone moves it little: see the closing
-    figures in docs/pipelines.md). A second run is served from the cache.
+    teacher >= 0.5, student >= 0.25, distillation well above the student's SFT, and each on-policy
+    DPO round above the model it started from (docs/pipelines.md has the figures: 0.93, 0.30,
+    0.88, 0.91, 0.92). A second run is served from the cache.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def test_every_stage_moves_exact_match(tmp_path, monkeypatch):
         print(em)
         assert em["teacher"] >= 0.5 and em["student"] >= 0.25, em
         assert em["distill"] >= em["student"] + 0.3, em
-        assert em["dpo@r1"] >= em["distill"] - 0.02, em
-        assert em["dpo@r2"] >= em["distill"] + 0.01, em
+        assert em["dpo@r1"] > em["distill"], em
+        assert em["dpo@r2"] > em["dpo@r1"], em
         assert result.registered["model"] == "dpo@r2" and result.registered["promoted"]
         again = run_pipeline(cfg)
     assert all(r.cached for r in again.stages.values())
