@@ -14,7 +14,7 @@ from core.lora.config import LoRAConfig
 from core.parallel.config import ParallelConfig
 from flows.config import NODE_CLASSES, PipelineConfig
 from flows.dag import Edge, PipelineDAG, Upstream
-from flows.demo import DEMO_CONFIG
+from tests.pipelines import DEMO_CONFIG
 from stages.config import KINDS, STAGE_CONFIGS, DistillConfig, DPOConfig, EvalConfig, SFTConfig
 from stages.launch.config import LauncherConfig
 
@@ -554,16 +554,18 @@ def test_config_command_prints_the_plan_json_and_conversions(tmp_path, capsys, m
     from flows.cli import main
 
     monkeypatch.chdir(tmp_path)  # the demo's workspace (runs/) is relative: nothing is there yet
-    assert main(["config"]) == 0
+    assert main(["config", str(DEMO_CONFIG)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("pipeline demo: 6 nodes, 11 edges (workspace runs)")
     assert "distill" in out and "<- prep, student, teacher" in out and "student -> distill  (model: model)" in out
-    assert main(["run", "--dry-run", "--set", "nodes.dpo.rounds=2"]) == 0  # the plan, nothing launched
+    assert main(["run", str(DEMO_CONFIG), "--dry-run", "--set", "nodes.dpo.rounds=2",
+                 "--set", "nodes.evaluate.models=[dpo, dpo@r1]"]) == 0  # the plan, nothing launched
     out = capsys.readouterr().out
     assert "7 nodes" in out and "dpo@r2" in out and not (tmp_path / "runs").exists()
-    assert main(["config", "--json", "--set", "nodes.student.max_steps=7"]) == 0
+    assert main(["config", str(DEMO_CONFIG), "--json", "--set", "nodes.student.max_steps=7"]) == 0
     dumped = json.loads(capsys.readouterr().out)
     assert PipelineConfig.model_validate(dumped) == demo("nodes.student.max_steps=7")
+    assert main(["config"]) == 0 and "dpo@r2" in capsys.readouterr().out  # no file: the embedded demo
     old = write(tmp_path, yaml.safe_dump({"name": "old", "stages": {"dpo": False}, "sft_student": {"max_steps": 3},
                                           "distill": {"kind": "jsd"}}), "old.yaml")
     assert main(["config", "--convert", str(old)]) == 0

@@ -4,7 +4,7 @@ strings, unknown keys, node references), random `--set nodes.<name>.<key>` strin
 grids and DPO rounds, raw bytes. Every case ends in a valid config or in a ConfigError that names
 the key path (or the file); never in another exception. Impossible parallel layouts and output
 dirs outside the workspace (or shared by two nodes) are refused when the config loads, i.e. before
-any process starts. The documents start from the demo pipeline (configs/demo.yaml)."""
+any process starts. The documents start from a fixed pipeline (tests/configs/pipeline.yaml, the demo's shape)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from core.config import ConfigError, _read, dump_config, from_json_file, load_co
 from core.parallel.config import ParallelConfig
 from flows.config import PipelineConfig
 from flows.dag import PipelineDAG, Upstream
-from flows.demo import DEMO_CONFIG
+from tests.pipelines import DEMO_CONFIG
 from stages.config import STAGE_CONFIGS, SFTConfig
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -266,7 +266,8 @@ def test_random_set_overrides(sets):
 
 def _shape(node: str):
     """(heads, kv heads, experts) of the model node `node` trains in the demo (None: evaluate)."""
-    return PipelineDAG(load_config(PipelineConfig, DEMO_CONFIG)).model_shape(node)
+    dag = PipelineDAG(load_config(PipelineConfig, DEMO_CONFIG))
+    return dag.model_shape(dag.members[node][0])  # the dpo node runs in rounds: its first
 
 
 SHAPES = {n: _shape(n) for n in ("teacher", "distill", "dpo", "evaluate")}
@@ -282,6 +283,9 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
     sets = [f"nodes.{node}.parallel.{k}={v}" for k, v in sizes.items()] + [
         f"nodes.{node}.parallel.dp_shard={dp_shard}", f"{launcher}.nproc_per_node={nproc}",
         f"{launcher}.nnodes={nnodes}", f"{launcher}.kind={kind}", f"{launcher}.rdzv_endpoint=head:29500"]
+    # the demo's other nodes ask for DDP over 2 ranks: let them fill whatever world the launcher gives
+    sets += [f"nodes.{other}.parallel.dp_replicate=1" for other in ("teacher", "student", "distill", "dpo")
+             if other != node]
     if sizes["pp"] > 1:
         sets.append(f"nodes.{node}.parallel.pp_microbatches={sizes['pp']}")
     got = load(PipelineConfig, DEMO_CONFIG, sets)
@@ -310,7 +314,8 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
                      st.builds(os.path.join, st.sampled_from(["..", "/", "/tmp", "a", ".", "dpo"]), TEXT)),
        node=st.sampled_from(NODES), rounds=st.sampled_from([1, 1, 3]))
 def test_output_dirs_never_escape_the_workspace(out, node, rounds):
-    got = load(PipelineConfig, DEMO_CONFIG, [f"nodes.{node}.output_dir={json.dumps(out)}", f"nodes.dpo.rounds={rounds}"])
+    got = load(PipelineConfig, DEMO_CONFIG, [f"nodes.{node}.output_dir={json.dumps(out)}", f"nodes.dpo.rounds={rounds}",
+                                             "nodes.evaluate.models=[dpo, distill]"])  # (the demo names dpo@r1)
     if isinstance(got, ConfigError):
         assert f"nodes.{node}.output_dir" in str(got), str(got)
     else:
@@ -348,7 +353,7 @@ def test_random_sweeps_and_rounds(grid, node, rounds, evaluated):
     if isinstance(got, ConfigError):
         msg = str(got)
         assert msg.startswith("nodes"), msg
-        assert all(line.startswith("nodes") and ("(from --set" in line or "demo.yaml" in line)
+        assert all(line.startswith("nodes") and ("(from --set" in line or "pipeline.yaml" in line)
                    for line in msg.split("\n")), msg
         return
     assert_usable(got)

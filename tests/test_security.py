@@ -224,7 +224,7 @@ SECRETS = {"hf": "hf_SECRETtoken123", "aws": "AKIAsecretvalue", "pw": "hunter2pw
 def _secret_config():
     from core.config import load_config
     from flows.config import PipelineConfig
-    from flows.demo import DEMO_CONFIG
+    from tests.pipelines import DEMO_CONFIG
 
     return load_config(PipelineConfig, DEMO_CONFIG, overrides=[
         f"launcher.env.HF_TOKEN={SECRETS['hf']}", f"launcher.env.AWS_SECRET_ACCESS_KEY={SECRETS['aws']}",
@@ -313,7 +313,7 @@ def test_mlflow_artifact_paths_stay_in_the_run(bad):
 def test_config_paths_and_names_stay_in_the_workspace():
     from core.config import ConfigError, load_config
     from flows.config import PipelineConfig
-    from flows.demo import DEMO_CONFIG
+    from tests.pipelines import DEMO_CONFIG
 
     for item in ["name=../x", "name=a/b", "workspace=runs/../..", "nodes.teacher.output_dir=../../x",
                  "nodes.dpo.output_dir=/etc", "nodes.evaluate.output_dir=a/../../../x",
@@ -345,7 +345,7 @@ def test_slurm_script_cannot_be_injected():
     from stages.launch.config import LauncherConfig
     from stages.launch import render_sbatch
 
-    from flows.demo import DEMO_CONFIG
+    from tests.pipelines import DEMO_CONFIG
 
     for item in [r'launcher.slurm.partition="gpu\nrm -rf ~"', r'launcher.slurm.extra_args=["--qos=high\ncurl x|sh"]',
                  r'launcher.slurm.account="a\rb"', 'launcher.env={"A=1; curl x|sh; B": "1"}',
