@@ -207,7 +207,7 @@ def kill_schedule(rng: random.Random, k: int) -> list[dict]:
     for i, kind in enumerate(kinds):  # the first flow kill lands in a stage, a later one maybe anywhere
         anywhere = kind == "flow" and "flow" in kinds[:i] and rng.random() < 0.5
         trigger = "checkpoint" if rng.random() < 0.5 else "up"
-        delay = rng.uniform(5.0, 90.0) if anywhere else rng.uniform(0.0, 1.0 if trigger == "checkpoint" else 20.0)
+        delay = rng.uniform(5.0, 90.0) if anywhere else rng.uniform(0.0, 1.0 if trigger == "checkpoint" else 3.0)
         plan.append({"kind": kind, "pick": round(rng.random(), 3), "anywhere": anywhere,
                      "trigger": None if anywhere else trigger, "delay_s": round(delay, 2)})
     if not any(p["trigger"] == "checkpoint" for p in plan):

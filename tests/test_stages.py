@@ -72,8 +72,15 @@ def test_offline_distillation_caches_teacher_topk(prepared):
 def test_dpo_raises_implicit_reward_accuracy(prepared, pairs, reference):
     from stages.dpo import run
 
+    source = prepared / "data"
+    if pairs == "on_policy":
+        # A user's file of prompts with answers (data prep's SFT rows): its validation pairs are then
+        # sampled by the policy too, like the training pairs. (From data prep's output, validation
+        # would be its own pairs, whose near-miss rejections on-policy DPO on a model this young,
+        # which gets every sample wrong, is not trained to tell apart.)
+        source = prompts_file(prepared)
     cfg = DPOConfig(output_dir=str(prepared / f"dpo-{pairs}"), model={"name_or_path": str(prepared / "student")},
-                    data={"sources": [str(prepared / "data")], "micro_batch_size": 8}, tracking=OFF, max_steps=8,
+                    data={"sources": [str(source)], "micro_batch_size": 8}, tracking=OFF, max_steps=8,
                     eval_interval=4, pairs=pairs, reference=reference, num_samples=4, max_new_tokens=8,
                     optim={"lr": 5e-3, "warmup_steps": 1})
     m = run(cfg)["metrics"]
@@ -83,9 +90,23 @@ def test_dpo_raises_implicit_reward_accuracy(prepared, pairs, reference):
     assert (out / "adapter" / "adapter_config.json").exists() and (out / "model" / "config.json").exists()
     if reference == "precomputed":
         assert list((out / "reference").glob("ref_logps-*.safetensors"))
-    if pairs == "on_policy":  # data prep's preference rows as prompts, exact match against their answer
+    if pairs == "on_policy":  # the file's prompts, exact match against their answer
         assert m["on_policy/pairs"] == m["train_pairs"] > 0 and 0 < m["on_policy/pair_share"] <= 1
-        assert (out / "on_policy" / "train.jsonl").exists()
+        assert m["on_policy/val_pairs"] > 0
+        assert (out / "on_policy" / "train.jsonl").exists() and (out / "on_policy" / "validation.jsonl").exists()
+
+
+def prompts_file(root: Path) -> Path:
+    """Every SFT row data prep wrote, as a JSONL of prompts and answers (a user's prompt file)."""
+    import pyarrow.parquet as pq
+
+    path = root / "prompts.jsonl"
+    with path.open("w") as f:
+        for split in ("train", "validation", "test"):
+            for r in pq.read_table(root / "data" / "data" / f"sft_{split}.parquet").to_pylist():
+                prompt = [m for m in r["messages"] if m["role"] != "assistant"]
+                f.write(json.dumps({"prompt": prompt, "answer": r["answer"], "task": r["task"]}) + "\n")
+    return path
 
 
 def _launch_sft(prepared: Path, out: Path, **kw):
