@@ -9,6 +9,13 @@ Under tensor parallelism (core.parallel.parallelize with tp > 1) the lm_head is 
 each rank holds a vocab slice of it. Each head then runs the lm_head module (which gathers
 sequence-parallel hidden states) and the vocab-parallel loss of core.parallel.losses on its slice
 of the logits, so the full vocabulary is never gathered; the single-process path is untouched.
+
+Under context parallelism (`model.cp_group`, set by parallelize with cp > 1) each objective first
+takes this rank's share of the packed batch (core.parallel.context.shard_batch: labels shifted on
+the whole sequence, then cut into the load-balanced chunks), and scores it with shift=False. Token
+losses are then sums over the shard, and the trainer's count of the step's tokens adds the shards
+up. Per-sequence log-probs (DPO) are summed over the cp ranks (`sum_over_shards`), so chosen and
+rejected of a pair meet in one loss on every rank, each rank taking 1/cp of it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from torch import nn
 
 from core.data.packing import sequence_sums
 from core.losses import IGNORE_INDEX, dpo_loss
+from core.model.moe import routed_tokens
+from core.parallel.context import CP_KEY, shard_batch, sum_over_shards
 from core.parallel.losses import (vocab_parallel_cross_entropy, vocab_parallel_distill_loss,
                                   vocab_parallel_token_logps)
 from core.trainer import LossOutput
@@ -34,6 +43,37 @@ CHUNK = 1024  # tokens per logits chunk: bounds the head's memory at CHUNK x voc
 def _tp_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The tp group when parallelize split the lm_head by vocab (column-parallel), else None."""
     return getattr(getattr(model, "lm_head", None), "tp_group", None)
+
+
+def _cp_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The cp group when parallelize installed ring attention (cp > 1), else None."""
+    return getattr(model, "cp_group", None)
+
+
+def cp_view(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch as this rank computes on it: under context parallelism its share (once: a batch
+    already cut is returned as is), else the batch itself."""
+    group = _cp_group(model)
+    if group is None or CP_KEY in batch:
+        return batch
+    lm_head = getattr(model, "lm_head", None)
+    sp = getattr(lm_head, "input_mode", None) == "sequence"  # tp ranks split each shard again
+    return shard_batch(batch, group, dist.get_world_size(lm_head.tp_group) if sp else 1)
+
+
+def shifted(batch: dict[str, Any]) -> bool:
+    """Whether the batch's labels still need shifting by the loss (not when cut by shard_batch)."""
+    return CP_KEY not in batch
+
+
+def response_mask(batch: dict[str, Any]) -> torch.Tensor:
+    """True at the positions whose next token is a target (those a token loss scores)."""
+    labels = batch["labels"]
+    if not shifted(batch):
+        return labels != IGNORE_INDEX
+    mask = torch.zeros_like(labels, dtype=torch.bool)
+    mask[..., :-1] = labels[..., 1:] != IGNORE_INDEX
+    return mask
 
 
 def _head(model: nn.Module, batch: dict[str, Any], fused: Callable, vocab_parallel: Callable) -> Callable:
@@ -53,39 +93,51 @@ def _forward(model: nn.Module, batch: dict[str, Any], head: Callable) -> Any:
     # the end: under causal attention the real tokens never see the padding (`_head` drops it).
     sp = getattr(lm_head, "input_mode", None) == "sequence"
     pad = -ids.shape[-1] % dist.get_world_size(lm_head.tp_group) if sp else 0
+    real = batch["sequence_ids"] >= 0 if CP_KEY in batch else None  # shard_batch's padding: id -1
     if pad:
+        real = F.pad(torch.ones_like(ids, dtype=torch.bool) if real is None else real, (0, pad), value=False)
         ids = F.pad(ids, (0, pad))
         pos = None if pos is None else F.pad(pos, (0, pad))
         mask = None if mask is None else F.pad(mask, (0, pad))
-    return model(ids, pos, mask, head=head)
+    with routed_tokens(model, real):  # MoE balancing sees only the real tokens
+        return model(ids, pos, mask, head=head)
 
 
 def token_logps(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-    """log p(label_{t+1} | ..t) at every position (0 where the label is ignored), (B, T)."""
-    labels = batch["labels"]
+    """log p(label_{t+1} | ..t) at every position (0 where the label is ignored), (B, T); under
+    context parallelism at every position of this rank's share (`cp_view`)."""
+    batch = cp_view(model, batch)
+    labels, shift = batch["labels"], shifted(batch)
     return _forward(model, batch, _head(model, batch,
-                                        lambda h, w: fused_linear_logps(h, w, labels, chunk_size=CHUNK),
-                                        lambda z, g: vocab_parallel_token_logps(z, labels, g)))
+                                        lambda h, w: fused_linear_logps(h, w, labels, shift=shift, chunk_size=CHUNK),
+                                        lambda z, g: vocab_parallel_token_logps(z, labels, g, shift=shift)))
 
 
 def sft_objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
     """Next-token cross entropy on the response tokens."""
-    labels = batch["labels"]
+    batch = cp_view(model, batch)
+    labels, shift = batch["labels"], shifted(batch)
     loss = _forward(model, batch, _head(
-        model, batch, lambda h, w: fused_linear_cross_entropy(h, w, labels, reduction="sum", chunk_size=CHUNK),
-        lambda z, g: vocab_parallel_cross_entropy(z, labels, g, reduction="sum")))
+        model, batch,
+        lambda h, w: fused_linear_cross_entropy(h, w, labels, reduction="sum", shift=shift, chunk_size=CHUNK),
+        lambda z, g: vocab_parallel_cross_entropy(z, labels, g, reduction="sum", shift=shift)))
     return LossOutput(loss, batch["num_target_tokens"])
 
 
 def pair_logps(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probs of every sequence of a preference batch (chosen first, then rejected) and
-    the number of target tokens of each, both (2N,)."""
+    the number of target tokens of each, both (2N,); whole sequences' on every rank under
+    context parallelism too."""
+    batch = cp_view(model, batch)
     n_seq = 2 * batch["num_pairs"]
     per_token = token_logps(model, batch)
-    targets = torch.zeros_like(batch["labels"], dtype=per_token.dtype)
-    targets[..., :-1] = (batch["labels"][..., 1:] != IGNORE_INDEX).to(per_token.dtype)
-    return (sequence_sums(per_token, batch["sequence_ids"], n_seq),
-            sequence_sums(targets, batch["sequence_ids"], n_seq))
+    targets = response_mask(batch).to(per_token.dtype)
+    sums = sequence_sums(per_token, batch["sequence_ids"], n_seq)
+    lengths = sequence_sums(targets, batch["sequence_ids"], n_seq)
+    group = _cp_group(model)
+    if group is not None:
+        sums, lengths = sum_over_shards(sums, group), sum_over_shards(lengths, group)
+    return sums, lengths
 
 
 def dpo_objective(beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
@@ -97,6 +149,7 @@ def dpo_objective(beta: float, loss_type: str = "sigmoid", label_smoothing: floa
     (`batch["ref_logps"]`), or computed under `disable_adapter()` for LoRA policies."""
 
     def objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
+        batch = cp_view(model, batch)
         n = batch["num_pairs"]
         logps, lengths = pair_logps(model, batch)
         ref = None
@@ -111,7 +164,9 @@ def dpo_objective(beta: float, loss_type: str = "sigmoid", label_smoothing: floa
                    "rewards/rejected": float(out.rejected_rewards.mean()),
                    "rewards/margin": float(out.margins.mean()),
                    "rewards/accuracy": float(out.accuracy)}
-        return LossOutput(out.losses.sum(), n, metrics)
+        # Under context parallelism every cp rank holds the whole loss: each takes 1/cp of it.
+        shares = dist.get_world_size(_cp_group(model)) if _cp_group(model) is not None else 1
+        return LossOutput(out.losses.sum() / shares, n / shares, metrics)
 
     return objective
 
@@ -122,9 +177,9 @@ def distill_objective(teacher: nn.Module, kind: str = "forward_kl", temperature:
     to the student's distribution on response positions, computed chunk by chunk."""
 
     def objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
-        labels = batch["labels"]
-        mask = torch.zeros_like(labels, dtype=torch.bool)
-        mask[..., :-1] = labels[..., 1:] != IGNORE_INDEX  # positions that predict a response token
+        batch = cp_view(model, batch)  # the teacher then runs on this rank's share too (ring attention)
+        labels, shift = batch["labels"], shifted(batch)
+        mask = response_mask(batch)  # positions that predict a response token
         with torch.no_grad():
             t_hidden, t_weight = _forward(teacher, batch, lambda h, w: (h, w))
 
@@ -133,7 +188,7 @@ def distill_objective(teacher: nn.Module, kind: str = "forward_kl", temperature:
             loss = fused_linear_distill(h, w, t_hidden.to(h.dtype), t_weight.to(w.dtype), mask, kind=kind,
                                         temperature=temperature, beta=beta, chunk_size=CHUNK) * mask.sum()
             if ce_weight:
-                loss = loss + ce_weight * fused_linear_cross_entropy(h, w, labels, reduction="sum",
+                loss = loss + ce_weight * fused_linear_cross_entropy(h, w, labels, reduction="sum", shift=shift,
                                                                      chunk_size=CHUNK)
             return loss
 
@@ -143,7 +198,8 @@ def distill_objective(teacher: nn.Module, kind: str = "forward_kl", temperature:
             t_z = t_hidden.to(z.dtype) @ t_w.to(z.dtype).T
             loss = vocab_parallel_distill_loss(z, t_z, group, kind, temperature, beta, mask, reduction="sum")
             if ce_weight:
-                loss = loss + ce_weight * vocab_parallel_cross_entropy(z, labels, group, reduction="sum")
+                loss = loss + ce_weight * vocab_parallel_cross_entropy(z, labels, group, reduction="sum",
+                                                                       shift=shift)
             return loss
 
         return LossOutput(_forward(model, batch, _head(model, batch, head, vocab_parallel_head)),

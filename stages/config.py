@@ -114,7 +114,16 @@ class TrainStageConfig(StageConfig):
             raise ValueError("save='adapter' needs lora.enabled=true")
         if self.launcher is not None:
             check_layout(self.parallel, self.launcher)
+        self.check_stage_layout()
         return self
+
+    def check_stage_layout(self) -> None:
+        """ValueError naming the key when this stage cannot run under cfg.parallel (the layouts
+        core.parallel itself cannot take are checked against the world and the model)."""
+        p = self.parallel
+        if p.pp > 1:
+            raise ValueError(f"parallel.pp: pipeline parallelism (pp={p.pp}) does not run in the training stages "
+                             "yet; set parallel.pp=1 and shard with FSDP, TP or CP instead")
 
 
 class SFTConfig(TrainStageConfig):
@@ -142,6 +151,12 @@ class DistillConfig(TrainStageConfig):
         if self.mode == "offline" and self.top_k is None:
             raise ValueError("mode='offline' stores teacher logits per token; set top_k (e.g. 64)")
         return self
+
+    def check_stage_layout(self) -> None:
+        super().check_stage_layout()
+        if self.mode != "online" and self.parallel.tp > 1:  # sampling with a KV cache / full-vocab top-k
+            raise ValueError(f"parallel.tp: distillation mode={self.mode!r} does not support tensor parallelism "
+                             f"(tp={self.parallel.tp}) yet; set parallel.tp=1 or mode='online'")
 
 
 class DPOConfig(TrainStageConfig):
@@ -184,6 +199,12 @@ class DPOConfig(TrainStageConfig):
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
             raise ValueError(f"label_smoothing applies to loss_type sigmoid/robust, not {self.loss_type!r}")
         return self
+
+    def check_stage_layout(self) -> None:
+        super().check_stage_layout()
+        if self.pairs == "on_policy" and self.parallel.tp > 1:
+            raise ValueError(f"parallel.tp: pairs='on_policy' samples with a KV cache, which tensor parallelism "
+                             f"(tp={self.parallel.tp}) does not support yet; set parallel.tp=1 or pairs='offline'")
 
 
 class SelectConfig(ConfigModel):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from stages.config import DistillConfig
@@ -35,7 +36,8 @@ from core.data.packing import collate_padding_free
 from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk
 from core.manifest import digest
 from core.model.generate import SamplingParams, generate
-from core.objectives import CHUNK, distill_objective
+from core.objectives import CHUNK, cp_view, distill_objective, response_mask, shifted
+from core.parallel.context import CP_KEY, apply_context_parallel, shard_like
 from core.trainer import LossOutput
 from stages.common import Dist, StageError, load_model, parse_spec
 from stages.recipe import Plan, Session, run_training
@@ -90,6 +92,12 @@ class OnPolicyMix:
         self.student.train()
         self.samples += len(gens)
         docs = [Document(p + g.tokens, [IGNORE_INDEX] * len(p) + g.tokens) for p, g in zip(prompts, gens) if g.tokens]
+        mesh = self.session.dist.mesh
+        if mesh is not None and mesh.dims.cp > 1:  # the cp ranks of a batch must cut the same sequence
+            group = mesh.group("cp")
+            shared = [docs]
+            dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+            docs = shared[0]
         return collate_padding_free(docs)
 
     def __len__(self):
@@ -134,11 +142,12 @@ def offline_objective(cfg: DistillConfig, topk: dict[str, torch.Tensor]) -> Any:
     """Distillation from the cached top-k: positions gathered by each batch's document indices."""
 
     def objective(model, batch):
-        labels = batch["labels"]
-        mask = torch.zeros_like(labels, dtype=torch.bool)
-        mask[..., :-1] = labels[..., 1:] != IGNORE_INDEX
+        batch = cp_view(model, batch)
+        labels, mask = batch["labels"], response_mask(batch)
         rows = torch.cat([torch.arange(topk["offsets"][u], topk["offsets"][u + 1]) for u in batch["doc_indices"]])
         t_ids, t_lp = topk["ids"][rows].long().to(labels.device), topk["logps"][rows].to(labels.device)
+        if CP_KEY in batch:  # the rows of this rank's share of the positions
+            t_ids, t_lp = shard_like(batch, t_ids), shard_like(batch, t_lp)
         sel = mask.reshape(-1)
 
         def head(h, w):
@@ -146,7 +155,8 @@ def offline_objective(cfg: DistillConfig, topk: dict[str, torch.Tensor]) -> Any:
             loss = distill_loss_topk(logits, t_ids[sel], t_lp[sel], kind=cfg.divergence, temperature=cfg.temperature,
                                      beta=cfg.jsd_beta, reduction="sum")
             if cfg.ce_weight:
-                loss = loss + cfg.ce_weight * chunked_cross_entropy(h, w, labels, reduction="sum")
+                loss = loss + cfg.ce_weight * chunked_cross_entropy(h, w, labels, reduction="sum",
+                                                                    shift=shifted(batch))
             return loss
 
         return LossOutput(model(batch["input_ids"], batch["position_ids"], head=head), batch["num_target_tokens"])
@@ -159,11 +169,12 @@ class Distill:
 
     def setup(self, s: Session) -> Plan:
         cfg, d, student, tok = s.cfg, s.dist, s.model, s.tok
-        if cfg.mode != "online" and cfg.parallel.tp > 1:  # sampling with a KV cache / full-vocab top-k logits
-            raise StageError(f"distill: mode={cfg.mode!r} does not support tensor parallelism yet; set "
-                             f"parallel.tp=1 (parallel.tp={cfg.parallel.tp}) or mode='online'")
         teacher, teacher_manifest = load_model(cfg.teacher, d.device, cfg.seed)
         teacher.requires_grad_(False).eval()
+        if d.mesh is not None and d.mesh.dims.cp > 1 and cfg.mode != "offline":
+            # it scores the student's share of each batch: ring attention over the same cp ranks
+            # (offline, it scores whole documents before training)
+            apply_context_parallel(teacher, d.mesh.group("cp"))
         if teacher.args.vocab_size != student.args.vocab_size:
             raise StageError(f"distill: teacher vocab {teacher.args.vocab_size} != student vocab "
                              f"{student.args.vocab_size}; they must share the tokenizer")

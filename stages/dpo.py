@@ -90,8 +90,14 @@ def reward_accuracy(model, pairs: list[PreferencePair], objective, cfg: DPOConfi
 
 def reference_model(cfg: DPOConfig, d: Dist):
     """reference='model': a frozen copy of the starting policy, loaded again from cfg.model and
-    kept whole on every rank (the policy itself may be sharded or split)."""
+    kept whole on every rank (the policy itself may be sharded or split); under context
+    parallelism it scores this rank's share of each batch, with ring attention as the policy."""
     ref, _ = load_model(cfg.model, d.device, cfg.seed)
+    if d.mesh is not None and d.mesh.dims.cp > 1:
+        from core.parallel.context import apply_context_parallel
+
+        apply_context_parallel(ref, d.mesh.group("cp"))
+        ref.cp_group = d.mesh.group("cp")
     return ref.requires_grad_(False).eval()
 
 
@@ -114,9 +120,6 @@ class DPO:
 
     def setup(self, s: Session) -> Plan:
         cfg, d, model, tok = s.cfg, s.dist, s.model, s.tok
-        if cfg.pairs == "on_policy" and cfg.parallel.tp > 1:
-            raise StageError(f"dpo: pairs='on_policy' samples with a KV cache, which tensor parallelism does not "
-                             f"support yet; set parallel.tp=1 (parallel.tp={cfg.parallel.tp}) or pairs='offline'")
         if cfg.pairs == "on_policy":
             pairs, val_pairs, extra = on_policy_pairs(s)
             s.run.log_metrics(extra, step=0)

@@ -138,10 +138,10 @@ def policy_tokenizer(cfg: TrainStageConfig):
 def start_layout(cfg: TrainStageConfig) -> Dist:
     """The process group for cfg.parallel, after the checks that need no model."""
     p = cfg.parallel
-    for key in ("pp", "cp", "ep"):
-        if getattr(p, key) > 1:
-            raise StageError(f"parallel.{key}={getattr(p, key)}: the training stages support data parallelism "
-                             f"(FSDP, DDP, HSDP) and tensor parallelism only; set parallel.{key}=1")
+    try:
+        cfg.check_stage_layout()  # what this stage cannot run (also checked when the config loads)
+    except ValueError as e:
+        raise StageError(str(e)) from None
     try:
         ParallelDims.from_config(p, TorchrunEnv.read().world_size)  # before any group: ranks would wait
     except ValueError as e:

@@ -114,16 +114,21 @@ class DeviceLoader:
 def sampling(model, cfg: ParallelConfig):
     """Around token-by-token generation from the policy. Under FSDP each unit is gathered once
     and kept for the duration instead of at every forward, so ranks sample without collectives
-    (and may stop at different steps); resharded after. Collective: every rank enters it."""
+    (and may stop at different steps); resharded after. Under context parallelism the policy
+    attends as an ordinary model meanwhile. Collective: every rank enters it."""
+    from core.parallel.context import without_context_parallel
+
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
-        yield
+        with without_context_parallel(model):
+            yield
         return
     model.set_reshard_after_forward(False)
     for m in units:
         m.unshard()
     try:
-        yield
+        with without_context_parallel(model):  # whole sequences, token by token, on each rank alone
+            yield
     finally:
         for m in units:
             m.reshard()

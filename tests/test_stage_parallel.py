@@ -1,12 +1,16 @@
 """The training stages under core.parallel layouts reproduce the single-process run.
 
-SFT runs under torchrun on 2 CPU processes (gloo) with FSDP (dp_shard=2) and with tensor +
-sequence parallelism (tp=2), and in this process on one; every step's loss, token count and
-gradient norm, the validation loss and the exported HF weights must match. The batches are the
-same by construction: the sampler deals *global* micro-batches round-robin to the data-parallel
-ranks, so 2 FSDP ranks x 1 micro-batch see, at each step, the global batches one process sees
-with grad_accum_steps=2; the 2 tp ranks share one data shard and also accumulate 2 micro-batches.
+Each stage runs under torchrun on 2 or 4 CPU processes (gloo) and in this process on one; every
+step's loss, token count and gradient norm, the validation metrics and the exported HF weights
+must match. The batches are the same by construction: the sampler deals *global* micro-batches
+round-robin to the data-parallel ranks, so 2 FSDP ranks x 1 micro-batch see, at each step, the
+global batches one process sees with grad_accum_steps=2; tp and cp ranks share their data shard
+(cp ranks cut each packed row by sequence) and accumulate as many micro-batches as one process.
 The step's token count is the check that the batches are the same.
+
+The matrix covers each stage and each dimension once, and the named combinations once each:
+SFT under FSDP, TP+SP, CP, CP x TP and EP x FSDP / EP x TP (an MoE model); DPO under CP x FSDP;
+online distillation under CP.
 """
 
 from __future__ import annotations
@@ -22,19 +26,19 @@ import pytest
 
 from core.config import to_json_file
 from core.tracking import TrackingConfig
-from stages.config import DataPrepConfig, SFTConfig
+from stages.config import DataPrepConfig, DistillConfig, DPOConfig, SFTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-4  # fp32 on CPU: the layouts differ from one process by summation order (~1e-7 measured)
 ATOL_WEIGHTS = 1e-4  # after 4 AdamW steps at lr 1e-3 (~2e-6 measured)
 STEPS = 4
+OFF = TrackingConfig(enabled=False, log_every=1)
 
-# The torchrun entry point: stages.sft, with each metrics dict the stage logs appended to a file
-# (rank 0) instead of MLflow.
+# The torchrun entry point: a stage's main, with each metrics dict the stage logs appended to a
+# file (rank 0) instead of MLflow.
 RECORDER = """
-import contextlib, json, os, sys
+import contextlib, importlib, json, os, sys
 import stages.recipe as recipe
-import stages.sft as sft
 
 class Run:
     run_id = None
@@ -46,28 +50,48 @@ class Run:
         return lambda *args, **kwargs: None
 
 recipe.stage_run = lambda *args, **kwargs: contextlib.nullcontext(Run())
-sft.main(sys.argv[1:])
+importlib.import_module(sys.argv[1]).main(sys.argv[2:])
 """
+
+MODULES = {SFTConfig: "stages.sft", DPOConfig: "stages.dpo", DistillConfig: "stages.distill"}
 
 
 def sft_config(root: Path, name: str, **kw) -> SFTConfig:
-    return SFTConfig(output_dir=str(root / name), tracking=TrackingConfig(enabled=False, log_every=1),
+    return SFTConfig(output_dir=str(root / name), tracking=OFF,
                      data={"sources": [str(root / "data")], "batch_tokens": 256, "max_seq_len": 128},
                      max_steps=STEPS, eval_interval=0, checkpoint={"interval_steps": 0}, **kw)
 
 
-def optim(grad_accum: int) -> dict:
-    return {"lr": 1e-3, "warmup_steps": 1, "grad_accum_steps": grad_accum}
+def dpo_config(root: Path, name: str, **kw) -> DPOConfig:
+    return DPOConfig(output_dir=str(root / name), tracking=OFF,
+                     data={"sources": [str(root / "data")], "micro_batch_size": 4, "max_seq_len": 128},
+                     max_steps=STEPS, eval_interval=0, checkpoint={"interval_steps": 0}, **kw)
+
+
+def distill_config(root: Path, name: str, **kw) -> DistillConfig:
+    return DistillConfig(output_dir=str(root / name), tracking=OFF, mode="online",
+                         teacher={"name_or_path": "debug", "overrides": {"hidden_size": 96, "intermediate_size": 256}},
+                         data={"sources": [str(root / "data")], "batch_tokens": 256, "max_seq_len": 128},
+                         max_steps=STEPS, eval_interval=0, checkpoint={"interval_steps": 0}, **kw)
+
+
+def optim(grad_accum: int, lr: float = 1e-3) -> dict:
+    return {"lr": lr, "warmup_steps": 1, "grad_accum_steps": grad_accum}
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Data prep, then SFT in this process (world 1) with 2 micro-batches per step: (dir, metrics)."""
-    from stages import recipe, sft
+def root(tmp_path_factory):
     from stages.data_prep import prepare
 
     root = tmp_path_factory.mktemp("stage_parallel")
     prepare(DataPrepConfig(output_dir=str(root / "data"), synthetic_size=120, tracking=TrackingConfig(enabled=False)))
+    return root
+
+
+def in_process(cfg) -> list[dict]:
+    """Run the stage in this process (world 1); the metrics it logged."""
+    from stages import recipe
+
     records: list[dict] = []
 
     class Run:
@@ -79,23 +103,30 @@ def reference(tmp_path_factory):
         def __getattr__(self, name):
             return lambda *args, **kwargs: None
 
+    module = __import__(MODULES[type(cfg)], fromlist=["run"])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(recipe, "stage_run", lambda *args, **kwargs: contextlib.nullcontext(Run()))
-        sft.run(sft_config(root, "ref", optim=optim(2)))
-    return root, records
+        module.run(cfg)
+    return records
 
 
-def torchrun_sft(cfg: SFTConfig, work: Path) -> list[dict]:
-    """Run the stage on 2 processes; the metrics rank 0 logged."""
+@pytest.fixture(scope="module")
+def reference(root):
+    """SFT in this process with 2 micro-batches per step: (dir, metrics)."""
+    return root, in_process(sft_config(root, "ref", optim=optim(2)))
+
+
+def torchrun_stage(cfg, work: Path, nproc: int = 2) -> list[dict]:
+    """Run the stage on `nproc` processes; the metrics rank 0 logged."""
     work.mkdir(parents=True, exist_ok=True)
-    spec, script, metrics = work / "spec.json", work / "record_sft.py", work / "metrics.jsonl"
+    spec, script, metrics = work / "spec.json", work / "record_stage.py", work / "metrics.jsonl"
     to_json_file(cfg, spec)
     script.write_text(RECORDER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1", "POSTTRAIN_TEST_METRICS": str(metrics)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-           "--config", str(spec)]
-    proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+           MODULES[type(cfg)], "--config", str(spec)]
+    proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
@@ -108,17 +139,10 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= RTOL * abs(b)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel,grad_accum", [
-    ("fsdp", {"dp_shard": 2}, 1),                            # 2 data shards x 1 micro-batch
-    ("tp_sp", {"tp": 2, "sequence_parallel": True}, 2),      # 1 data shard x 2 micro-batches
-])
-def test_sft_under_torchrun_matches_one_process(reference, layout, parallel, grad_accum):
+def assert_same_run(records: list[dict], ref_records: list[dict], out: Path, ref_out: Path,
+                    val_keys: tuple[str, ...]) -> None:
+    """Per step: the same tokens, loss and gradient norm; the same validation; the same weights."""
     from registry.hf import load_pretrained
-
-    root, ref_records = reference
-    cfg = sft_config(root, layout, parallel=parallel, optim=optim(grad_accum))
-    records = torchrun_sft(cfg, root / f".work-{layout}")
 
     ref, par = steps_of(ref_records), steps_of(records)
     assert sorted(par) == sorted(ref) == list(range(1, STEPS + 1))
@@ -128,25 +152,81 @@ def test_sft_under_torchrun_matches_one_process(reference, layout, parallel, gra
             assert close(par[step][key], ref[step][key]), (step, key, par[step][key], ref[step][key])
     final = {k: v for r in records for k, v in r.items()}
     ref_final = {k: v for r in ref_records for k, v in r.items()}
-    for key in ("val/loss_initial", "val/loss"):
+    for key in val_keys:
         assert close(final[key], ref_final[key]), (key, final[key], ref_final[key])
 
-    manifest = json.loads((root / layout / "manifest.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["metrics"]["steps"] == STEPS
-    got = load_pretrained(root / layout / manifest["outputs"]["model"]).state_dict()
-    want = load_pretrained(root / "ref" / "model").state_dict()
+    got = load_pretrained(out / manifest["outputs"]["model"]).state_dict()
+    want = load_pretrained(ref_out / "model").state_dict()
     assert got.keys() == want.keys()
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst <= ATOL_WEIGHTS, f"exported weights differ by {worst}"
 
 
-def test_unsupported_layout_fails_naming_the_key(reference):
-    from stages.common import StageError
-    from stages.sft import run
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,parallel,grad_accum,nproc", [
+    ("fsdp", {"dp_shard": 2}, 1, 2),                            # 2 data shards x 1 micro-batch
+    ("tp_sp", {"tp": 2, "sequence_parallel": True}, 2, 2),      # 1 data shard x 2 micro-batches
+    ("cp", {"cp": 2}, 2, 2),                                    # 1 data shard, cut by sequence, x 2
+    ("cp_tp", {"cp": 2, "tp": 2}, 2, 4),                        # ring attention on tp-split heads
+])
+def test_sft_under_torchrun_matches_one_process(reference, layout, parallel, grad_accum, nproc):
+    root, ref_records = reference
+    cfg = sft_config(root, layout, parallel=parallel, optim=optim(grad_accum))
+    records = torchrun_stage(cfg, root / f".work-{layout}", nproc)
+    assert_same_run(records, ref_records, root / layout, root / "ref", ("val/loss_initial", "val/loss"))
 
-    root, _ = reference
-    with pytest.raises(StageError, match=r"parallel\.pp=2"):
-        run(sft_config(root, "pp", parallel={"pp": 2}))
+
+MOE = {"name_or_path": "debug-moe"}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(root):
+    return in_process(sft_config(root, "moe-ref", model=MOE, optim=optim(2)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,parallel,grad_accum,nproc", [
+    ("ep_fsdp", {"dp_shard": 2, "ep": 2}, 1, 2),                # 2 experts per rank, non-experts sharded
+    ("ep_tp", {"dp_shard": 2, "tp": 2, "ep": 2}, 1, 4),         # experts over the dp ranks, tokens over tp
+])
+def test_moe_sft_under_expert_parallelism_matches_one_process(root, moe_reference, layout, parallel, grad_accum,
+                                                              nproc):
+    cfg = sft_config(root, layout, model=MOE, parallel=parallel, optim=optim(grad_accum))
+    records = torchrun_stage(cfg, root / f".work-{layout}", nproc)
+    assert_same_run(records, moe_reference, root / layout, root / "moe-ref", ("val/loss_initial", "val/loss"))
+
+
+@pytest.mark.slow
+def test_dpo_under_context_parallelism_and_fsdp_matches_one_process(root):
+    """Chosen and rejected of each pair are cut over 2 cp ranks and still meet in one loss; the
+    reference is the LoRA base under disable_adapter, on the same shards."""
+    ref = in_process(dpo_config(root, "dpo-ref", optim=optim(2, lr=5e-3)))
+    cfg = dpo_config(root, "dpo-cp-fsdp", parallel={"cp": 2, "dp_shard": 2}, optim=optim(1, lr=5e-3))
+    records = torchrun_stage(cfg, root / ".work-dpo-cp-fsdp", 4)
+    assert_same_run(records, ref, root / "dpo-cp-fsdp", root / "dpo-ref",
+                    ("val/accuracy", "val/margin", "val/chosen", "val/rejected"))
+
+
+@pytest.mark.slow
+def test_online_distillation_under_context_parallelism_matches_one_process(root):
+    """The teacher runs with ring attention on the same shards as the student."""
+    ref = in_process(distill_config(root, "kd-ref", optim=optim(2)))
+    cfg = distill_config(root, "kd-cp", parallel={"cp": 2}, optim=optim(2))
+    records = torchrun_stage(cfg, root / ".work-kd-cp", 2)
+    assert_same_run(records, ref, root / "kd-cp", root / "kd-ref", ("val/kl_initial", "val/kl"))
+
+
+def test_unsupported_layouts_are_refused_when_the_config_loads():
+    from core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"^parallel\.pp: pipeline parallelism \(pp=2\)"):
+        load_config(SFTConfig, overrides=["parallel.pp=2"])
+    with pytest.raises(ConfigError, match=r"^parallel\.tp: pairs='on_policy'"):
+        load_config(DPOConfig, overrides=["parallel.tp=2", "pairs=on_policy"])
+    with pytest.raises(ConfigError, match=r"^parallel\.tp: distillation mode='offline'"):
+        load_config(DistillConfig, overrides=["parallel.tp=2", "mode=offline", "top_k=8"])
 
 
 def _sample_then_train() -> dict[str, float]:

@@ -2,11 +2,18 @@
 
 Routed experts are stored stacked, (num_experts, ...), so expert parallelism can shard the first
 dim and a grouped GEMM can replace the per-expert loop without changing the checkpoint layout.
+
+Padding that parallel layouts add to a packed row (sequence parallelism and context parallelism
+need lengths divisible by their sizes) is routed like any token, but `routed_tokens` keeps it out
+of the load-balancing loss and the token counts, so they stay those of the real tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -85,18 +92,37 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         self.last_router_logits: torch.Tensor | None = None
+        # (B, T) bool over the model's input tokens, False for padding (routed_tokens); and the
+        # tp group whose ranks each route a slice of the sequence (token-sharded routing).
+        self.token_mask: torch.Tensor | None = None
+        self.tp_group: dist.ProcessGroup | None = None
+        self.last_valid: torch.Tensor | None = None  # the last forward's real tokens (flat), None: all
         # Expert parallelism replaces this with an all-to-all dispatch (core/parallel/expert.py).
         self.dispatch = None
+
+    def _valid(self, T: int) -> torch.Tensor | None:
+        """This forward's real tokens, flat (None: all are): token_mask, sliced like the sequence
+        when each tp rank routes its own part of it."""
+        m = self.token_mask
+        if m is None:
+            return None
+        if m.shape[1] != T:
+            m = m.chunk(dist.get_world_size(self.tp_group), dim=1)[dist.get_rank(self.tp_group)]
+        m = m.reshape(-1)
+        return None if bool(m.all()) else m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         logits, scores, weights, ids = self.router(flat)
         self.last_router_logits = logits
+        valid = self.last_valid = self._valid(T)
+        real_scores, real_ids = (scores, ids) if valid is None else (scores[valid], ids[valid])
         if self.training or self.args.aux_loss_coef:
-            self.aux_loss = load_balancing_loss(scores, ids, self.args.num_experts)
+            self.aux_loss = load_balancing_loss(real_scores, real_ids, self.args.num_experts)
         counts = torch.bincount(ids.flatten(), minlength=self.args.num_experts)
-        self.tokens_per_expert += counts.detach().to(self.tokens_per_expert.dtype)
+        seen = counts if valid is None else torch.bincount(real_ids.flatten(), minlength=self.args.num_experts)
+        self.tokens_per_expert += seen.detach().to(self.tokens_per_expert.dtype)
 
         if self.dispatch is not None:
             out = self.dispatch(self.experts, flat, weights.to(x.dtype), ids, counts)
@@ -129,3 +155,17 @@ def routed_experts(experts: GroupedExperts, x, weights, ids, counts) -> torch.Te
     y = experts(x[token_of], counts.tolist())
     y = y * weights.flatten()[order, None]
     return torch.zeros_like(x).index_add_(0, token_of, y)
+
+
+@contextlib.contextmanager
+def routed_tokens(model: nn.Module, mask: torch.Tensor | None):
+    """Within it, the MoE layers of `model` count only the tokens where `mask` (B, T) over the
+    model's input is True in their balancing loss and token counts (all of them: mask None)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)] if mask is not None else []
+    for m in layers:
+        m.token_mask = mask
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.token_mask = None

@@ -16,7 +16,8 @@ Training-loop contract under these layouts (what core/trainer.py must do):
 - tp > 1: logits are split by vocab; use core.parallel.losses (vocab-parallel CE / log-probs /
   KL) with mesh.group("tp"). The loss is then complete (and equal) on every tp rank.
 - cp > 1: shard input_ids, position_ids (always given) and *already shifted* labels with
-  context_parallel_shard; compute the loss with shift=False.
+  context_parallel_shard; compute the loss with shift=False (core.parallel.context.shard_batch
+  does all of it for a packed batch; core.objectives calls it through `model.cp_group`).
 - Gradients are averaged over dp_replicate x dp_shard x cp ("dp_cp"): sum token counts over
   mesh.group("dp_cp") and undo that average, not over "dp" alone.
 - MoE: add model.aux_loss() to the loss as usual (under tp / cp each rank holds its share of
@@ -69,8 +70,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh: ParallelMesh, *, ac
 
     if dims.cp > 1:
         state = apply_context_parallel(model, mesh.group("cp"))
+        model.cp_group = mesh.group("cp")  # the objectives shard batches over it (context.shard_batch)
         if stage:
-            model.cp_state, model.cp_group = state, mesh.group("cp")
+            model.cp_state = state
 
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     for moe in moes:

@@ -201,3 +201,102 @@ def apply_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) -> dic
 
         model.hidden_states = hidden_states
     return state
+
+
+# ----------------------------------------------------------------------------- training batches
+
+CP_KEY = "cp_shard"  # in a batch this rank's share was cut from: (rank, cp, padded global length)
+
+
+def shard_batch(batch: dict, group: dist.ProcessGroup, multiple: int = 1) -> dict:
+    """This rank's share of a padding-free training batch (input_ids, position_ids, labels and any
+    other (B, T) token tensor such as sequence_ids), for a model under apply_context_parallel.
+
+    Labels are shifted on the whole sequence first (the next token of a chunk's last position
+    lives in another chunk), so the loss must then run with shift=False: `batch[CP_KEY]` says so.
+    The sequence is padded at the end to a multiple of 2*cp*`multiple` (`multiple`: tp under
+    sequence parallelism, whose ranks split each shard again); padding tokens are documents of
+    their own (position 0), with ignored labels and sequence id -1, so no real token sees them
+    and no loss or per-sequence sum counts them. `num_target_tokens` becomes this shard's count,
+    so the counts of the cp ranks add up to the whole batch's."""
+    from core.losses import IGNORE_INDEX
+
+    if CP_KEY in batch:
+        return batch
+    if batch.get("attention_mask") is not None:
+        raise ValueError("context parallelism needs padding-free batches (one packed row with position_ids); "
+                         "this batch is padded (attention_mask): set data.packing to a padding-free mode")
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    ids = batch["input_ids"]
+    B, T = ids.shape
+    width = 2 * cp * multiple
+    pad = -T % width
+    labels = torch.cat([batch["labels"][:, 1:], batch["labels"].new_full((B, 1), IGNORE_INDEX)], dim=1)
+    fill = {"input_ids": 0, "labels": IGNORE_INDEX, "position_ids": 0, "sequence_ids": -1}
+    out = {k: v for k, v in batch.items() if k not in ("cu_seqlens", "max_seqlen")}  # whole-sequence only
+    out["labels"] = labels
+    for key, value in list(out.items()):
+        if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[:2] == (B, T):
+            if pad:
+                value = torch.cat([value, value.new_full((B, pad, *value.shape[2:]), fill.get(key, 0))], dim=1)
+            out[key] = context_parallel_shard(value, rank, cp)
+    out["num_target_tokens"] = (out["labels"] != IGNORE_INDEX).sum()
+    out[CP_KEY] = (rank, cp, T + pad)
+    return out
+
+
+def shard_like(batch: dict, x: Tensor, fill: float | int = 0, dim: int = 0) -> Tensor:
+    """`x`, laid out along the whole sequence on `dim` (e.g. per-position teacher top-k rows),
+    padded and cut like the batch `shard_batch` made."""
+    rank, cp, length = batch[CP_KEY]
+    pad = length - x.shape[dim]
+    if pad:
+        shape = list(x.shape)
+        shape[dim] = pad
+        x = torch.cat([x, x.new_full(shape, fill)], dim=dim)
+    return context_parallel_shard(x, rank, cp, dim=dim)
+
+
+class _AllReduceShares(torch.autograd.Function):
+    """Sum over ranks forward, and backward too: for a loss computed alike on every rank from the
+    sum, each rank taking a 1/n share of it, the gradient of each rank's part is then exact."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def sum_over_shards(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Per-sequence sums (log-probs, token counts) of each rank's shard -> the whole sequences',
+    on every rank; differentiable for a loss each of the n ranks takes 1/n of."""
+    return _AllReduceShares.apply(x, group)
+
+
+class without_context_parallel:
+    """Within it the model attends as an ordinary one, e.g. to sample token by token with a KV
+    cache from a policy trained under context parallelism (each rank then runs whole sequences)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        self.swapped = [m for m in self.model.modules() if type(m) is ContextParallelAttention]
+        for m in self.swapped:
+            m.__class__ = Attention
+        self.hidden = self.model.__dict__.pop("hidden_states", None)
+        return self.model
+
+    def __exit__(self, *exc):
+        for m in self.swapped:
+            m.__class__ = ContextParallelAttention
+        if self.hidden is not None:
+            self.model.hidden_states = self.hidden

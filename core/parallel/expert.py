@@ -183,6 +183,8 @@ def global_aux_loss(moe: MoE, group: dist.ProcessGroup, grad_scale: float = 1.0)
             return out
         # Also during a checkpoint recompute: it must save the same tensors as the first forward,
         # and it runs on every rank of the group in the same order, like the block's TP collectives.
+        if mod.last_valid is not None:  # padding a layout added: not part of the balance
+            scores, ids = scores[mod.last_valid], ids[mod.last_valid]
         counts = F.one_hot(ids, E).sum((0, 1)).to(scores.dtype)
         stats = torch.cat([counts, scores.new_tensor([ids.shape[0]])]).detach()
         dist.all_reduce(stats, group=group)
@@ -202,6 +204,7 @@ def shard_moe_tokens(moe: MoE, tp_group: dist.ProcessGroup, sequence_parallel: b
     from core.parallel.tensor import replicate_over_tp
 
     replicate_over_tp(moe, tp_group)
+    moe.tp_group = tp_group  # its token_mask is sliced like the sequence
     if not sequence_parallel:
         moe.register_forward_pre_hook(lambda mod, args: (scatter_to_sp(args[0], tp_group),) + args[1:])
         moe.register_forward_hook(lambda mod, args, out: gather_from_sp_replicated(out, tp_group))
