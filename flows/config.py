@@ -74,7 +74,8 @@ class PipelineConfig(ConfigModel):
         errors, merged = [], {}
         for name, node in nodes.items():
             if not isinstance(name, str) or not re.match(NODE_NAME, name):
-                errors.append(f"nodes.{name}: node names are letters, digits, '_' and '-', starting with a letter")
+                shown = name if isinstance(name, str) and name.isprintable() else repr(name)  # one line
+                errors.append(f"nodes.{shown}: node names are letters, digits, '_' and '-', starting with a letter")
                 continue
             if not isinstance(node, dict):
                 errors.append(f"nodes.{name}: expected a mapping with a `kind`, got {type(node).__name__}")

@@ -111,6 +111,8 @@ def names_path(msg: str, path: tuple) -> bool:
 
 
 def names_node(msg: str, name: str) -> bool:
+    if not name.isprintable():  # shown as its repr, on one line
+        return f"nodes.{name!r}" in msg
     return any(line.startswith("nodes") and re.search(rf"(^|[\s'(.]){re.escape(name)}($|[\s'@,).:])", line)
                for line in msg.split("\n"))
 
@@ -298,9 +300,16 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
     except ValueError:
         fits = False
     model_parallel = any(sizes[k] > 1 for k in ("tp", "pp", "cp", "ep"))
+    # what the stages do not run (yet): pipeline parallelism; TP sampling (the dpo node is on-policy)
+    refused = "pp" if sizes["pp"] > 1 else "tp" if node == "dpo" and sizes["tp"] > 1 else None
     if node == "evaluate" and model_parallel:  # evaluation is data parallel only
         assert isinstance(got, ConfigError) and f"nodes.{node}: " in str(got) \
             and "evaluation splits the examples" in str(got), str(got)
+    elif refused and (fits or not own_launcher):  # the stage's own check (before the world's, if both fail)
+        assert isinstance(got, ConfigError) and f"nodes.{node}.parallel" in str(got), str(got)
+        assert fits is False or f"nodes.{node}.parallel.{refused}: " in str(got), str(got)
+    elif refused:
+        assert isinstance(got, ConfigError) and f"nodes.{node}.parallel" in str(got), str(got)
     elif fits:
         assert isinstance(got, PipelineConfig), str(got)
         assert_usable(got)
@@ -439,11 +448,13 @@ def test_impossible_layout_stops_the_cli_before_any_launch(monkeypatch, capsys):
     monkeypatch.setattr(stages.launch, "launch_stage", no_launch)
     assert main(["stage", "sft", "--set", "parallel.tp=3"]) == 2  # the default launcher: 2 ranks
     assert "config error: parallel: world size 2 is not divisible" in capsys.readouterr().err
-    assert main(["config", "--set", "nodes.dpo.parallel.pp=4"]) == 2
+    assert main(["config", "--set", "nodes.dpo.parallel.cp=4"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("config error: nodes.dpo.parallel: world size 2") and "(from --set nodes.dpo.parallel.pp=4)" in err
-    assert main(["run", "--set", "nodes.dpo.parallel.pp=4"]) == 2  # refused before the flow starts
+    assert err.startswith("config error: nodes.dpo.parallel: world size 2") and "(from --set nodes.dpo.parallel.cp=4)" in err
+    assert main(["run", "--set", "nodes.dpo.parallel.cp=4"]) == 2  # refused before the flow starts
     assert "config error: nodes.dpo.parallel: world size 2" in capsys.readouterr().err
+    assert main(["run", "--set", "nodes.student.parallel.pp=2"]) == 2  # what the stage cannot run, too
+    assert "config error: nodes.student.parallel.pp: pipeline parallelism" in capsys.readouterr().err
     assert main(["config", "--set", "nodes.teacher.output_dir=../../elsewhere"]) == 2
     assert "nodes.teacher.output_dir" in capsys.readouterr().err
 
