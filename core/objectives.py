@@ -174,14 +174,21 @@ def dpo_objective(beta: float, loss_type: str = "sigmoid", label_smoothing: floa
 def distill_objective(teacher: nn.Module, kind: str = "forward_kl", temperature: float = 1.0,
                       beta: float = 0.5, ce_weight: float = 0.0) -> Callable:
     """Online distillation: the teacher's hidden states per micro-batch (no grad), the divergence
-    to the student's distribution on response positions, computed chunk by chunk."""
+    to the student's distribution on response positions, computed chunk by chunk. Under tensor
+    parallelism the teacher is split like the student, and its logits of this rank's vocab
+    slice meet the student's in the vocab-parallel loss."""
 
     def objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
         batch = cp_view(model, batch)  # the teacher then runs on this rank's share too (ring attention)
         labels, shift = batch["labels"], shifted(batch)
         mask = response_mask(batch)  # positions that predict a response token
+        t_logits = None
         with torch.no_grad():
-            t_hidden, t_weight = _forward(teacher, batch, lambda h, w: (h, w))
+            if _tp_group(teacher) is not None:  # split like the student: its logits of this rank's vocab slice
+                T = batch["input_ids"].shape[-1]
+                t_logits = _forward(teacher, batch, lambda h, w: teacher.lm_head(h)[:, :T])
+            else:
+                t_hidden, t_weight = _forward(teacher, batch, lambda h, w: (h, w))
 
         def head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             # the fused op returns the mean over masked positions; the trainer wants the sum
@@ -193,9 +200,11 @@ def distill_objective(teacher: nn.Module, kind: str = "forward_kl", temperature:
             return loss
 
         def vocab_parallel_head(z: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-            # The teacher is whole on every rank: its logits for this rank's vocab slice only.
-            t_w = t_weight.chunk(dist.get_world_size(group))[dist.get_rank(group)]
-            t_z = t_hidden.to(z.dtype) @ t_w.to(z.dtype).T
+            if t_logits is not None:
+                t_z = t_logits.to(z.dtype)
+            else:  # a whole teacher: its logits for this rank's vocab slice only
+                t_w = t_weight.chunk(dist.get_world_size(group))[dist.get_rank(group)]
+                t_z = t_hidden.to(z.dtype) @ t_w.to(z.dtype).T
             loss = vocab_parallel_distill_loss(z, t_z, group, kind, temperature, beta, mask, reduction="sum")
             if ce_weight:
                 loss = loss + ce_weight * vocab_parallel_cross_entropy(z, labels, group, reduction="sum",

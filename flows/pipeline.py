@@ -35,7 +35,7 @@ log = logging.getLogger("posttrain.flow")
 # key, so changing them alone keeps the finished result, or resumes a crashed attempt from its
 # checkpoints (resharded to the new layout). Everything else counts. docs/pipelines.md lists both.
 NOT_IN_KEY = ("output_dir", "tracking", "launcher", "parallel", "checkpoint", "reliability", "kernels")
-NOT_IN_KEY_MODEL = ("kernels", "compile", "activation_checkpointing")
+NOT_IN_KEY_MODEL = ("kernels", "compile", "activation_checkpointing", "parallel")  # teacher.parallel: a layout
 
 
 def result_settings(spec: StageConfig) -> dict[str, Any]:

@@ -130,9 +130,16 @@ class SFTConfig(TrainStageConfig):
     data: DataConfig = Field(DataConfig(format="sft"), description="Prompt/response or chat data.")
 
 
+class TeacherConfig(ModelConfig):
+    parallel: ParallelConfig | None = Field(
+        None, description="The teacher's own layout over the job's ranks (e.g. {dp_shard: 8} to shard a big "
+                          "teacher while the student replicates); None = the student's. Its tp and cp must be the "
+                          "student's (the loss meets them on the same vocab slice and sequence chunks).")
+
+
 class DistillConfig(TrainStageConfig):
     model: ModelConfig = Field(ModelConfig(), description="The student (the model being trained).")
-    teacher: ModelConfig = Field(ModelConfig(), description="The frozen teacher; same vocabulary.")
+    teacher: TeacherConfig = Field(TeacherConfig(), description="The frozen teacher; same vocabulary.")
     data: DataConfig = Field(DataConfig(format="sft"), description="Prompts (and responses).")
     divergence: Literal["forward_kl", "reverse_kl", "jsd"] = Field("forward_kl", description="Divergence minimized.")
     temperature: float = Field(1.0, gt=0, description="Softmax temperature of both; loss scaled by T^2.")
@@ -157,6 +164,30 @@ class DistillConfig(TrainStageConfig):
         if self.mode != "online" and self.parallel.tp > 1:  # sampling with a KV cache / full-vocab top-k
             raise ValueError(f"parallel.tp: distillation mode={self.mode!r} does not support tensor parallelism "
                              f"(tp={self.parallel.tp}) yet; set parallel.tp=1 or mode='online'")
+        t = self.teacher.parallel
+        if t is not None:
+            for key in ("tp", "cp"):
+                if getattr(t, key) != getattr(self.parallel, key):
+                    raise ValueError(f"teacher.parallel.{key}: {getattr(t, key)}, but the student's parallel.{key} is "
+                                     f"{getattr(self.parallel, key)}; the distillation loss meets teacher and student "
+                                     "on the same vocab slices and sequence chunks, so they must be equal")
+            if t.pp > 1:
+                raise ValueError(f"teacher.parallel.pp: pipeline parallelism (pp={t.pp}) does not run in the "
+                                 "training stages yet; set teacher.parallel.pp=1")
+            if self.launcher is not None:
+                try:
+                    check_layout(t, self.launcher)
+                except ValueError as e:
+                    raise ValueError(f"teacher.{e}") from None
+
+    def teacher_layout(self) -> ParallelConfig:
+        """The teacher's layout: teacher.parallel, else the student's (without expert parallelism,
+        which the teacher's own experts may not divide; offline the teacher scores whole documents
+        before training, so without context parallelism)."""
+        layout = self.teacher.parallel or self.parallel.model_copy(update={"ep": 1})
+        if self.mode == "offline":
+            layout = layout.model_copy(update={"cp": 1})
+        return layout
 
 
 class DPOConfig(TrainStageConfig):

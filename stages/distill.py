@@ -37,26 +37,31 @@ from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk
 from core.manifest import digest
 from core.model.generate import SamplingParams, generate
 from core.objectives import CHUNK, cp_view, distill_objective, response_mask, shifted
-from core.parallel.context import CP_KEY, apply_context_parallel, shard_like
+from core.parallel.context import CP_KEY, shard_like
 from core.trainer import LossOutput
 from stages.common import Dist, StageError, load_model, parse_spec
-from stages.recipe import Plan, Session, run_training
+from stages.recipe import Plan, Session, parallelize_frozen, run_training
 from stages.training import DeviceLoader, doc_loader, drop_metrics, mean_loss, sampling, stage_data, to_device
 
 log = logging.getLogger("posttrain.distill")
 
 
-class TimedTeacher(torch.nn.Module):
-    """Wraps the teacher so its forwards count as the `teacher` phase of the step time
-    (time/teacher_frac: a share of the wall time, synchronized on GPU)."""
+def time_teacher(teacher: torch.nn.Module, session: Session) -> None:
+    """The teacher's forwards count as the `teacher` phase of the step time (time/teacher_frac:
+    a share of the wall time, synchronized on GPU); hooks, so the teacher stays the model the
+    objectives inspect (its tp / cp groups)."""
+    timing: list = []
 
-    def __init__(self, teacher: torch.nn.Module, session: Session):
-        super().__init__()
-        self.teacher, self.session = teacher, session
+    def enter(module, args):
+        phase = session.phase("teacher")
+        phase.__enter__()
+        timing.append(phase)
 
-    def forward(self, *args, **kwargs):
-        with self.session.phase("teacher"):
-            return self.teacher(*args, **kwargs)
+    def leave(module, args, out):
+        timing.pop().__exit__(None, None, None)
+
+    teacher.register_forward_pre_hook(enter)
+    teacher.register_forward_hook(leave)
 
 
 def prompt_of(doc: Document) -> list[int]:
@@ -170,15 +175,14 @@ class Distill:
     def setup(self, s: Session) -> Plan:
         cfg, d, student, tok = s.cfg, s.dist, s.model, s.tok
         teacher, teacher_manifest = load_model(cfg.teacher, d.device, cfg.seed)
-        teacher.requires_grad_(False).eval()
-        if d.mesh is not None and d.mesh.dims.cp > 1 and cfg.mode != "offline":
-            # it scores the student's share of each batch: ring attention over the same cp ranks
-            # (offline, it scores whole documents before training)
-            apply_context_parallel(teacher, d.mesh.group("cp"))
         if teacher.args.vocab_size != student.args.vocab_size:
             raise StageError(f"distill: teacher vocab {teacher.args.vocab_size} != student vocab "
                              f"{student.args.vocab_size}; they must share the tokenizer")
-        timed = TimedTeacher(teacher, s)
+        # sharded for inference (teacher.parallel, default the student's layout); under CP it scores
+        # the student's share of each batch with ring attention (offline: whole documents, before training)
+        parallelize_frozen(teacher, cfg.teacher_layout(), d, compile=cfg.teacher.compile)
+        time_teacher(teacher, s)
+
         # on_policy reads the prompts off the completion masks, so the rows are loaded masked
         data = cfg.data.model_copy(update={"mask_prompt": True}) if cfg.mode == "on_policy" else cfg.data
         train_docs, val_docs, stats = stage_data(cfg.data.sources, "sft", tok, data)
@@ -194,7 +198,7 @@ class Distill:
                 train_docs = [Document(x.input_ids, list(x.input_ids)) for x in train_docs]
                 val_docs = [Document(x.input_ids, list(x.input_ids)) for x in val_docs]
         base = doc_loader(train_docs, cfg.data, d, epochs=cfg.epochs)
-        online = distill_objective(timed, cfg.divergence, cfg.temperature, cfg.jsd_beta, cfg.ce_weight)
+        online = distill_objective(teacher, cfg.divergence, cfg.temperature, cfg.jsd_beta, cfg.ce_weight)
         teacher_id = (teacher_manifest or {}).get("digest", cfg.teacher.name_or_path)
         if cfg.mode == "offline":  # before training: not part of the step time
             topk = teacher_topk(teacher, train_docs, cfg.top_k, s.out / "teacher_cache", teacher_id, d)

@@ -27,7 +27,7 @@ from core.manifest import digest
 from core.objectives import dpo_objective, pair_logps
 from stages.common import Dist, StageError, load_model, parse_spec
 from stages.on_policy import on_policy_pairs
-from stages.recipe import Plan, Session, run_training
+from stages.recipe import Plan, Session, parallelize_frozen, run_training
 from stages.training import DeviceLoader, drop_metrics, pair_loader, stage_data, to_device
 
 log = logging.getLogger("posttrain.dpo")
@@ -90,15 +90,10 @@ def reward_accuracy(model, pairs: list[PreferencePair], objective, cfg: DPOConfi
 
 def reference_model(cfg: DPOConfig, d: Dist):
     """reference='model': a frozen copy of the starting policy, loaded again from cfg.model and
-    kept whole on every rank (the policy itself may be sharded or split); under context
-    parallelism it scores this rank's share of each batch, with ring attention as the policy."""
+    laid out as the policy (sharded for inference under FSDP, split under TP / CP, so both score
+    the same slices of each batch)."""
     ref, _ = load_model(cfg.model, d.device, cfg.seed)
-    if d.mesh is not None and d.mesh.dims.cp > 1:
-        from core.parallel.context import apply_context_parallel
-
-        apply_context_parallel(ref, d.mesh.group("cp"))
-        ref.cp_group = d.mesh.group("cp")
-    return ref.requires_grad_(False).eval()
+    return parallelize_frozen(ref, cfg.parallel, d, compile=cfg.model.compile, what="reference")
 
 
 def live_reference(policy, ref_model=None):

@@ -34,6 +34,7 @@ from core.loop import fit
 from core.model import Transformer
 from core.monitor import ThroughputMeter, flops_per_token
 from core.parallel import ParallelDims, ParallelMesh, parallelize
+from core.parallel.config import ParallelConfig
 from core.parallel.mesh import TorchrunEnv
 from core.parallel.data_parallel import apply_activation_checkpointing, apply_compile
 from core.reliability import Reliability
@@ -170,6 +171,33 @@ def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> Pa
     parallelize(model, p, mesh, activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile)
     log.info("parallelized over %s", mesh)
     return mesh
+
+
+def parallelize_frozen(model: Transformer, layout: ParallelConfig, d: Dist, compile: bool = False,
+                       what: str = "teacher") -> Transformer:
+    """A frozen model beside the policy (a distillation teacher, a DPO reference) under `layout`
+    over the job's ranks, for inference: no gradients, no optimizer; under FSDP its blocks are
+    gathered for each forward and freed after it (its root, the embedding and head, stays
+    gathered: the loss reads the head's weight after the forward); under TP / CP it splits like
+    the policy, so the loss meets both on the same vocab slice and sequence chunk. On one process
+    it stays whole (compiled when asked)."""
+    model.requires_grad_(False).eval()
+    if d.mesh is None:
+        if compile:
+            apply_compile(list(model.layers))
+        return model
+    try:
+        dims = ParallelDims.from_config(layout, d.world, model.args)
+    except ValueError as e:
+        raise StageError(f"{what}.parallel: {e}") from None
+    mesh = d.mesh if dims == d.mesh.dims else ParallelMesh(dims, d.device.type)
+    # DDP has nothing to synchronize without gradients: replicas stay plain copies
+    parallelize(model, layout, mesh, compile=compile, data_parallel=dims.fsdp)
+    if dims.fsdp:
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)
+    log.info("%s parallelized over %s", what, mesh)
+    return model
 
 
 def build_trainer(s: Session, total_steps: int) -> Trainer:

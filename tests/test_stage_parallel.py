@@ -9,8 +9,10 @@ global batches one process sees with grad_accum_steps=2; tp and cp ranks share t
 The step's token count is the check that the batches are the same.
 
 The matrix covers each stage and each dimension once, and the named combinations once each:
-SFT under FSDP, TP+SP, CP, CP x TP and EP x FSDP / EP x TP (an MoE model); DPO under CP x FSDP;
-online distillation under CP.
+SFT under FSDP, TP+SP, CP, CP x TP and EP x FSDP / EP x TP (an MoE model), and a killed and
+resumed run under FSDP and TP bitwise equal to the uninterrupted one; DPO under CP x FSDP; online
+distillation with the teacher laid out as the student under CP and TP, and with a layout of its
+own (sharded while the student replicates).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from core.config import to_json_file
 from core.tracking import TrackingConfig
@@ -50,6 +53,20 @@ class Run:
         return lambda *args, **kwargs: None
 
 recipe.stage_run = lambda *args, **kwargs: contextlib.nullcontext(Run())
+
+kill_at = int(os.environ.get("POSTTRAIN_TEST_KILL_AFTER_SAVE", "0"))
+if kill_at:  # every rank dies the moment the checkpoint of step `kill_at` is complete
+    from core.checkpoint import CheckpointManager
+    save = CheckpointManager.save
+    def save_then_die(self, step, *args, **kwargs):
+        written = save(self, step, *args, **kwargs)
+        if step == kill_at:
+            self.wait()
+            import torch.distributed as dist
+            dist.barrier()
+            os._exit(17)
+        return written
+    CheckpointManager.save = save_then_die
 importlib.import_module(sys.argv[1]).main(sys.argv[2:])
 """
 
@@ -116,17 +133,23 @@ def reference(root):
     return root, in_process(sft_config(root, "ref", optim=optim(2)))
 
 
-def torchrun_stage(cfg, work: Path, nproc: int = 2) -> list[dict]:
-    """Run the stage on `nproc` processes; the metrics rank 0 logged."""
+def torchrun_stage(cfg, work: Path, nproc: int = 2, kill_after_save: int = 0) -> list[dict]:
+    """Run the stage on `nproc` processes; the metrics rank 0 logged. kill_after_save=N: every
+    rank exits (17) once step N's checkpoint is complete, as a job killed then would."""
     work.mkdir(parents=True, exist_ok=True)
     spec, script, metrics = work / "spec.json", work / "record_stage.py", work / "metrics.jsonl"
     to_json_file(cfg, spec)
     script.write_text(RECORDER)
+    metrics.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1", "POSTTRAIN_TEST_METRICS": str(metrics)}
+           "OMP_NUM_THREADS": "1", "POSTTRAIN_TEST_METRICS": str(metrics),
+           "POSTTRAIN_TEST_KILL_AFTER_SAVE": str(kill_after_save)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
            MODULES[type(cfg)], "--config", str(spec)]
     proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=600)
+    if kill_after_save:
+        assert proc.returncode != 0 and not (Path(cfg.output_dir) / "manifest.json").exists(), proc.stderr[-3000:]
+        return []
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
@@ -176,6 +199,26 @@ def test_sft_under_torchrun_matches_one_process(reference, layout, parallel, gra
     cfg = sft_config(root, layout, parallel=parallel, optim=optim(grad_accum))
     records = torchrun_stage(cfg, root / f".work-{layout}", nproc)
     assert_same_run(records, ref_records, root / layout, root / "ref", ("val/loss_initial", "val/loss"))
+    if layout in ("fsdp", "tp_sp"):
+        assert_resume_is_bit_exact(cfg, root / layout, nproc)
+
+
+def assert_resume_is_bit_exact(cfg: SFTConfig, uninterrupted: Path, nproc: int) -> None:
+    """The same run killed right after its step-2 checkpoint, then started again: it resumes from
+    that checkpoint (sharded as the layout shards it) and exports bitwise the same weights."""
+    from registry.hf import load_pretrained
+
+    out = uninterrupted.with_name(uninterrupted.name + "-resumed")
+    cfg = cfg.model_copy(update={"output_dir": str(out), "checkpoint": cfg.checkpoint.model_copy(
+        update={"interval_steps": 2})})
+    torchrun_stage(cfg, out.with_name(f".work-{out.name}"), nproc, kill_after_save=2)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    records = torchrun_stage(cfg, out.with_name(f".work-{out.name}"), nproc)
+    assert min(steps_of(records)) == 3  # steps 1-2 came from the checkpoint
+    got = load_pretrained(out / "model").state_dict()
+    want = load_pretrained(uninterrupted / "model").state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), "resumed weights differ from the uninterrupted run's"
 
 
 MOE = {"name_or_path": "debug-moe"}
@@ -209,13 +252,28 @@ def test_dpo_under_context_parallelism_and_fsdp_matches_one_process(root):
                     ("val/accuracy", "val/margin", "val/chosen", "val/rejected"))
 
 
+@pytest.fixture(scope="module")
+def kd_reference(root):
+    return in_process(distill_config(root, "kd-ref", optim=optim(2)))
+
+
 @pytest.mark.slow
-def test_online_distillation_under_context_parallelism_matches_one_process(root):
-    """The teacher runs with ring attention on the same shards as the student."""
-    ref = in_process(distill_config(root, "kd-ref", optim=optim(2)))
-    cfg = distill_config(root, "kd-cp", parallel={"cp": 2}, optim=optim(2))
-    records = torchrun_stage(cfg, root / ".work-kd-cp", 2)
-    assert_same_run(records, ref, root / "kd-cp", root / "kd-ref", ("val/kl_initial", "val/kl"))
+@pytest.mark.parametrize("layout,parallel,teacher,grad_accum", [
+    # the teacher sharded with the student's layout, ring attention on the same sequence chunks
+    ("kd-cp", {"cp": 2}, None, 2),
+    # a teacher of its own layout: sharded over both ranks (FSDP, inference) while the student replicates
+    ("kd-ddp-teacher-fsdp", {"dp_replicate": 2}, {"dp_shard": 2}, 1),
+    # teacher and student split alike over tp: their logits meet on each rank's vocab slice
+    ("kd-tp", {"tp": 2}, None, 2),
+])
+def test_online_distillation_under_parallel_layouts_matches_one_process(root, kd_reference, layout, parallel, teacher,
+                                                                        grad_accum):
+    cfg = distill_config(root, layout, parallel=parallel, optim=optim(grad_accum))
+    if teacher is not None:
+        cfg.teacher.parallel = teacher
+        cfg = DistillConfig.model_validate(cfg.model_dump())
+    records = torchrun_stage(cfg, root / f".work-{layout}", 2)
+    assert_same_run(records, kd_reference, root / layout, root / "kd-ref", ("val/kl_initial", "val/kl"))
 
 
 def test_unsupported_layouts_are_refused_when_the_config_loads():
