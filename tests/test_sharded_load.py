@@ -237,3 +237,18 @@ def test_bad_checkpoints_fail_as_load_pretrained_does(tmp_path):
         model, _ = load_model(cfg, torch.device("cpu"), meta=True)
         with pytest.raises(CheckpointError, match=message):
             materialize_model(model, cfg, torch.device("cpu"))
+
+
+def test_checkpoint_in_several_files(tmp_path):
+    """An index and shard files (save_pretrained's split): each tensor is read from its file."""
+    from registry.hf import save_pretrained
+    from stages.common import load_model, materialize_model
+
+    make_hf_model("qwen2", tmp_path / "hf")
+    want = load_pretrained(tmp_path / "hf")
+    save_pretrained(want, tmp_path / "split", max_shard_bytes=40_000)
+    assert len(list((tmp_path / "split").glob("model-*-of-*.safetensors"))) > 3
+    cfg = ModelConfig(name_or_path=str(tmp_path / "split"))
+    model, _ = load_model(cfg, torch.device("cpu"), meta=True)
+    materialize_model(model, cfg, torch.device("cpu"))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in want.state_dict().items())
