@@ -306,16 +306,23 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 def load_pretrained(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> Transformer:
-    """Read a local HF checkpoint directory into the project's model (weights cast to `dtype`)."""
+    """Read a local HF checkpoint directory into the project's model (weights cast to `dtype`).
+    Every tensor whole: a parallelized model loads its shards with hf_sharded.load_sharded."""
     path = Path(path)
-    args = args_from_hf_config(read_hf_config(path), str(path / "config.json"))
-    with torch.device("meta"):
-        model = Transformer(args)
+    model = model_on_meta(path)
     state = load_hf_state_dict(path, model, dtype, device)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.init_buffers()
     return model
+
+
+def model_on_meta(path: str | Path) -> Transformer:
+    """The model of the checkpoint directory `path` (its config.json), on the meta device."""
+    path = Path(path)
+    args = args_from_hf_config(read_hf_config(path), str(path / "config.json"))
+    with torch.device("meta"):
+        return Transformer(args)
 
 
 def load_hf_state_dict(path: Path, model: Transformer, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:

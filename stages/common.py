@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from core.config import from_json_file
+from core.lora.config import LoRAConfig
 from core.model.config import ModelConfig
 from core.parallel.config import ParallelConfig
 from stages.config import StageConfig
@@ -121,9 +122,12 @@ def resolve_model_dir(name_or_path: str) -> tuple[Path | None, dict | None]:
     return None, None
 
 
-def load_model(cfg: ModelConfig, device: torch.device, seed: int = 0) -> tuple[Transformer, dict | None]:
-    """The model a stage starts from (on `device`, in cfg.dtype), and its upstream manifest."""
-    from registry.hf import load_pretrained
+def load_model(cfg: ModelConfig, device: torch.device, seed: int = 0,
+               meta: bool = False) -> tuple[Transformer, dict | None]:
+    """The model a stage starts from (on `device`, in cfg.dtype), and its upstream manifest.
+    meta=True: the same model on the meta device, without values; parallelize it (LoRA first, if
+    any), then `materialize_model` gives each rank its shards of the same values."""
+    from registry.hf import load_pretrained, model_on_meta
 
     model_dir, manifest = resolve_model_dir(cfg.name_or_path)
     dtype = DTYPES[cfg.dtype]
@@ -132,10 +136,43 @@ def load_model(cfg: ModelConfig, device: torch.device, seed: int = 0) -> tuple[T
             args = get_preset(cfg.name_or_path, **cfg.overrides)
         except KeyError as e:
             raise StageError(str(e.args[0])) from None
+        if meta:
+            with torch.device("meta"):
+                return Transformer(args).to(dtype), None
         return build_model(args, device=device, dtype=dtype, seed=seed), None
     if cfg.overrides:
         raise StageError(f"model.overrides apply to presets only, not to the checkpoint {model_dir}")
+    if meta:
+        return model_on_meta(model_dir).to(dtype), manifest
     return load_pretrained(model_dir, dtype=dtype, device=device), manifest
+
+
+def load_on_meta(lora: LoRAConfig) -> bool:
+    """Whether a policy with these adapters can be built on the meta device and get its weights
+    after parallelizing: not when the adapters' initial values read the base weights (QLoRA
+    quantizes them, DoRA takes their norms, PiSSA their SVD); those load whole, as before."""
+    return not lora.enabled or not (lora.quantize_base or lora.use_dora or lora.init_lora_weights == "pissa")
+
+
+def materialize_model(model: Transformer, cfg: ModelConfig, device: torch.device, seed: int = 0) -> int:
+    """Give a model from load_model(meta=True), parallelized or not, this rank's shards on
+    `device`: read from the checkpoint's slices this rank owns (registry.hf_sharded), or a
+    preset's random init, then LoRA adapters' init (as apply_lora on the loaded model would draw
+    them). The values are those load_model(meta=False) (+ apply_lora) gives, in every layout.
+    Returns the checkpoint bytes this rank read (0 for a preset)."""
+    from core.parallel.materialize import init_adapters, init_weights, materialize
+    from registry.hf_sharded import load_sharded
+
+    model_dir, _ = resolve_model_dir(cfg.name_or_path)
+    materialize(model, device)
+    read = 0
+    if model_dir is None:
+        init_weights(model, seed)
+    else:
+        read = sum(load_sharded(model_dir, model, DTYPES[cfg.dtype]).values())
+        log.info("loaded this rank's shards of %s: %.1f MB read", model_dir, read / 2**20)
+    init_adapters(model)
+    return read
 
 
 def find_tokenizer_dir(*candidates: str | Path | None) -> Path:

@@ -39,8 +39,8 @@ from core.parallel.mesh import TorchrunEnv
 from core.parallel.data_parallel import apply_activation_checkpointing, apply_compile
 from core.reliability import Reliability
 from core.trainer import Objective, Trainer
-from stages.common import (Dist, StageError, close_distributed, load_model, load_tokenizer, progress, stage_run,
-                           start_distributed)
+from stages.common import (Dist, StageError, close_distributed, load_model, load_on_meta, load_tokenizer,
+                           materialize_model, progress, stage_run, start_distributed)
 from stages.training import clear_checkpoints, export
 
 log = logging.getLogger("posttrain.recipe")
@@ -99,21 +99,25 @@ def run_training(stage: TrainingStage, cfg: TrainStageConfig) -> dict:
 # ------------------------------------------------------------------------------------------- setup
 
 def open_session(name: str, cfg: TrainStageConfig) -> Session:
-    """Join the process group, load the policy (LoRA applied when enabled), check the tokenizer,
-    and apply cfg.parallel (checked against the world before the group is made, against the model
-    once it is loaded)."""
+    """Join the process group, build the policy on the meta device (LoRA applied when enabled),
+    check the tokenizer, apply cfg.parallel (checked against the world before the group is made,
+    against the model once it is built), then give each rank its shards of the weights
+    (stages.common.materialize_model). QLoRA, DoRA and PiSSA load the whole model first instead."""
     from kernels.dispatch import set_mode
 
     set_mode(cfg.model.kernels)
     d = start_layout(cfg)
     torch.manual_seed(cfg.seed)
-    model, upstream = load_model(cfg.model, d.device, cfg.seed)
+    meta = load_on_meta(cfg.lora)  # built on meta, each rank then loads only its shards
+    model, upstream = load_model(cfg.model, d.device, cfg.seed, meta=meta)
     tok = policy_tokenizer(cfg)
     if tok.vocab_size > model.args.vocab_size:
         raise StageError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab is {model.args.vocab_size}")
     if cfg.lora.enabled:
         apply_lora(model, cfg.lora)
     d.mesh = parallelize_policy(model, cfg, d)
+    if meta:
+        materialize_model(model, cfg.model, d.device, cfg.seed)
     s = Session(name, cfg, d, Path(cfg.output_dir or name), model, tok, upstream)
     s.meter = make_meter(s)
     return s

@@ -38,6 +38,15 @@ OUTPUT_HEADS = ("lm_head", "output")  # left out of "all-linear" unless `exclude
 PlainLoRA = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float, float]
 
 
+def init_lora_a(a: torch.Tensor, init: str) -> torch.Tensor:
+    """A (r, in) drawn in place from the global RNG of its device: Kaiming-uniform(a=sqrt(5)), or
+    N(0, 1/r^2) for "gaussian" (PiSSA overwrites it afterwards). Also how an adapter built on
+    the meta device gets its values once materialized (core.parallel.materialize)."""
+    if init == "gaussian":
+        return nn.init.normal_(a, std=1 / a.shape[0])
+    return nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+
+
 class LoRALinear(nn.Module):
     """A frozen nn.Linear (dense or NF4) plus named low-rank adapters."""
 
@@ -90,12 +99,7 @@ class LoRALinear(nn.Module):
             raise ValueError(f"init_lora_weights must be kaiming, gaussian or pissa, got {init!r}")
         ref = self.weight.packed if self.quantized else self.weight
         kw = dict(device=ref.device, dtype=self.weight.dtype)
-        a = torch.empty(rank, self.in_features, **kw)
-        if init == "gaussian":
-            nn.init.normal_(a, std=1 / rank)
-        else:
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-        self.lora_A[name] = nn.Parameter(a)
+        self.lora_A[name] = nn.Parameter(init_lora_a(torch.empty(rank, self.in_features, **kw), init))
         self.lora_B[name] = nn.Parameter(torch.zeros(self.out_features, rank, **kw))
         self.scaling[name] = alpha / (math.sqrt(rank) if use_rslora else rank)
         self.configs[name] = dict(rank=rank, alpha=alpha, dropout=dropout, use_rslora=use_rslora,

@@ -236,13 +236,18 @@ class Transformer(nn.Module):
         and materialized with `to_empty`, or trained from scratch."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * self.args.initializer_range)
+            p.copy_(self.initial_value(name, p.shape, gen))
         self.init_buffers()
+
+    def initial_value(self, name: str, shape: torch.Size, gen: torch.Generator | None) -> torch.Tensor:
+        """Parameter `name`'s whole initial value (fp32, on CPU), drawn from `gen` for weights
+        only: init_weights takes them in named_parameters order; a sharded model built on `meta`
+        takes the same ones and keeps its part of each (core.parallel.materialize)."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        return torch.randn(shape, generator=gen) * self.args.initializer_range
 
     @torch.no_grad()
     def init_buffers(self) -> None:

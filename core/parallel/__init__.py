@@ -9,7 +9,8 @@ group and device mesh), mappings (collectives as autograd pairs), tensor (TP lay
 (the TP plan as data), losses (vocab-parallel CE / log-probs / KL), expert (EP dispatch, token-
 sharded MoE), context (ring attention), pipeline (stages and schedules), data_parallel
 (DDP / FSDP2 / HSDP, activation checkpointing, compile), grad_norm (clipping across meshes),
-checkpoint (the full state dict, gathered for export).
+checkpoint (the full state dict, gathered for export), materialize (a model parallelized on the
+meta device given this rank's shards: the block each holds, random init, LoRA init).
 
 Names load on first use (core.lazy): `core.parallel.config` (ParallelConfig) imports without torch.
 """

@@ -10,7 +10,8 @@ Pipeline parallelism splits the model into stages before all of this (`paralleli
 and each stage is then parallelized like a model.
 
 Build the model on the meta device or CPU, apply LoRA (if any) before parallelizing, and create
-the optimizer after: parameters are replaced here.
+the optimizer after: parameters are replaced here. A model parallelized on `meta` then gets
+this rank's shards from core.parallel.materialize (and registry.hf_sharded for a checkpoint).
 
 Training-loop contract under these layouts (what core/trainer.py must do):
 - tp > 1: logits are split by vocab; use core.parallel.losses (vocab-parallel CE / log-probs /

@@ -1,0 +1,83 @@
+"""Values for a model built on the meta device and parallelized there, this rank's part only.
+
+The order (torchtitan's): build on `meta` -> LoRA -> `parallelize` -> `materialize` (allocate this
+rank's shards, uninitialized) -> fill them: from a checkpoint (registry/hf_sharded.py reads just
+the slices a rank owns), or by `init_weights`; then `init_adapters`. No rank ever holds the
+whole model, and every layout ends with the values the unsharded model gets.
+
+`local_part(t)` says which block of the whole tensor a parameter holds here. A DTensor's
+placements decide it: Shard(dim) over a mesh dimension (TP in tensor.py, EP in expert.py), FSDP2's
+Shard(0) with torch.chunk's uneven sizes, both at once (_StridedShard on the dp dimension), with
+Replicate dimensions holding everything. torch's compute_local_shape_and_global_offset (what DCP
+uses) turns them into a local shape and a global offset; every layout here keeps a rank's part
+one contiguous block of the whole. A plain tensor (one process, DDP, an unsplit norm under TP)
+is whole.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from core.lora.layer import init_lora_a
+from core.lora.model import lora_modules, lora_parameters
+
+Block = tuple[slice, ...]
+
+
+def local_part(t: Tensor) -> tuple[Tensor, Block]:
+    """(this rank's tensor behind `t`, where it lies in the whole tensor: one slice per dim)."""
+    if not isinstance(t, DTensor):
+        return t, tuple(slice(0, n) for n in t.shape)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = t.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise ValueError(f"a DTensor's local tensor {tuple(local.shape)} is not the {tuple(shape)} its placements "
+                         f"{t.placements} imply (an uneven split on a dim torch pads?)")
+    return local, tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate this rank's shards of a core.model.Transformer on `device` (values undefined),
+    share the embedding with the head again (to_empty unties plain tensors; DTensors stay one
+    parameter) and compute the non-persistent buffers (RoPE frequencies, MoE state)."""
+    model.to_empty(device=device)
+    if model.args.tie_embeddings and model.lm_head.weight is not model.embed.weight:
+        model.tie_weights()
+    model.init_buffers()
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int | None) -> None:
+    """Transformer.init_weights(seed) on a materialized, possibly sharded model: every base
+    parameter's whole initial value, drawn in the same order from the same generator, this rank's
+    part kept; the same values as build_model(args, seed=seed) in any layout. LoRA adapters are
+    init_adapters'."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    adapters = {id(p) for p in lora_parameters(model)}
+    for name, p in model.named_parameters():
+        if id(p) not in adapters:
+            local, block = local_part(p)
+            local.copy_(model.initial_value(name, p.shape, gen)[block])
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module) -> None:
+    """The LoRA adapters' initial values as apply_lora draws them on a materialized model: A from
+    the global RNG on the model's device, layer by layer and adapter by adapter in the order
+    apply_lora made them (one call, several adapter names), B zeros; this rank's part kept.
+    Right after apply_lora on `meta` (which draws nothing) the RNG is where apply_lora on the
+    loaded model would find it, so the values are the same. DoRA magnitudes and PiSSA read the
+    base weights: those adapters are made on the loaded model instead (stages.common.load_on_meta)."""
+    for _, mod in lora_modules(model):
+        for name in mod.adapters:
+            if name in mod.lora_magnitude or mod.configs[name]["init_lora_weights"] == "pissa":
+                raise ValueError(f"adapter {name!r}: DoRA / PiSSA initial values depend on the base weights; "
+                                 "apply them to the loaded model, not on the meta device")
+            a, b = mod.lora_A[name], mod.lora_B[name]
+            local, block = local_part(a)
+            whole = torch.empty(a.shape, dtype=a.dtype, device=local.device)
+            local.copy_(init_lora_a(whole, mod.configs[name]["init_lora_weights"])[block])
+            local_part(b)[0].zero_()
