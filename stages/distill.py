@@ -39,8 +39,8 @@ from core.model.generate import SamplingParams, generate
 from core.objectives import CHUNK, cp_view, distill_objective, response_mask, shifted
 from core.parallel.context import CP_KEY, shard_like
 from core.trainer import LossOutput
-from stages.common import Dist, StageError, load_model, parse_spec
-from stages.recipe import Plan, Session, parallelize_frozen, run_training
+from stages.common import Dist, StageError, parse_spec
+from stages.recipe import Plan, Session, load_frozen, run_training
 from stages.training import DeviceLoader, doc_loader, drop_metrics, mean_loss, sampling, stage_data, to_device
 
 log = logging.getLogger("posttrain.distill")
@@ -174,13 +174,13 @@ class Distill:
 
     def setup(self, s: Session) -> Plan:
         cfg, d, student, tok = s.cfg, s.dist, s.model, s.tok
-        teacher, teacher_manifest = load_model(cfg.teacher, d.device, cfg.seed)
+        # sharded for inference (teacher.parallel, default the student's layout), each rank reading its
+        # shards; under CP it scores the student's share of each batch with ring attention (offline:
+        # whole documents, before training)
+        teacher, teacher_manifest = load_frozen(cfg.teacher, cfg.teacher_layout(), d, cfg.seed)
         if teacher.args.vocab_size != student.args.vocab_size:
             raise StageError(f"distill: teacher vocab {teacher.args.vocab_size} != student vocab "
                              f"{student.args.vocab_size}; they must share the tokenizer")
-        # sharded for inference (teacher.parallel, default the student's layout); under CP it scores
-        # the student's share of each batch with ring attention (offline: whole documents, before training)
-        parallelize_frozen(teacher, cfg.teacher_layout(), d, compile=cfg.teacher.compile)
         time_teacher(teacher, s)
 
         # on_policy reads the prompts off the completion masks, so the rows are loaded masked

@@ -25,9 +25,9 @@ from core.data.encode import PreferencePair
 from core.lora import disable_adapter
 from core.manifest import digest
 from core.objectives import dpo_objective, pair_logps
-from stages.common import Dist, StageError, load_model, parse_spec
+from stages.common import Dist, StageError, parse_spec
 from stages.on_policy import on_policy_pairs
-from stages.recipe import Plan, Session, parallelize_frozen, run_training
+from stages.recipe import Plan, Session, load_frozen, run_training
 from stages.training import DeviceLoader, drop_metrics, pair_loader, stage_data, to_device
 
 log = logging.getLogger("posttrain.dpo")
@@ -92,8 +92,7 @@ def reference_model(cfg: DPOConfig, d: Dist):
     """reference='model': a frozen copy of the starting policy, loaded again from cfg.model and
     laid out as the policy (sharded for inference under FSDP, split under TP / CP, so both score
     the same slices of each batch)."""
-    ref, _ = load_model(cfg.model, d.device, cfg.seed)
-    return parallelize_frozen(ref, cfg.parallel, d, compile=cfg.model.compile, what="reference")
+    return load_frozen(cfg.model, cfg.parallel, d, cfg.seed, what="reference")[0]
 
 
 def live_reference(policy, ref_model=None):

@@ -32,6 +32,7 @@ from stages.config import TrainStageConfig
 from core.lora import apply_lora
 from core.loop import fit
 from core.model import Transformer
+from core.model.config import ModelConfig
 from core.monitor import ThroughputMeter, flops_per_token
 from core.parallel import ParallelDims, ParallelMesh, parallelize
 from core.parallel.config import ParallelConfig
@@ -175,6 +176,16 @@ def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> Pa
     parallelize(model, p, mesh, activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile)
     log.info("parallelized over %s", mesh)
     return mesh
+
+
+def load_frozen(model_cfg: ModelConfig, layout: ParallelConfig, d: Dist, seed: int = 0,
+                what: str = "teacher") -> tuple[Transformer, dict | None]:
+    """A frozen model beside the policy, built on the meta device, laid out by `layout`
+    (parallelize_frozen), then each rank reads only its shards; and its upstream manifest."""
+    model, manifest = load_model(model_cfg, d.device, seed, meta=True)
+    parallelize_frozen(model, layout, d, compile=model_cfg.compile, what=what)
+    materialize_model(model, model_cfg, d.device, seed)
+    return model, manifest
 
 
 def parallelize_frozen(model: Transformer, layout: ParallelConfig, d: Dist, compile: bool = False,
