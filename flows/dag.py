@@ -369,6 +369,8 @@ class PipelineDAG:
         node = self.nodes[name]
         spec = stage_spec(node.cfg)
         spec.output_dir = str(self.output_dir(name))
+        if node.kind == "distill" and spec.teacher_cache is None:  # shared by the nodes and runs of the workspace
+            spec.teacher_cache = str(Path(self.cfg.workspace) / ".cache" / "teacher")
         spec.launcher = spec.launcher or self.cfg.launcher.model_copy(deep=True)
         spec.tracking = spec.tracking or self.cfg.tracking.model_copy(deep=True)
 

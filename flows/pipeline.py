@@ -34,7 +34,8 @@ log = logging.getLogger("posttrain.flow")
 # Settings that change how a node runs but not what it produces: they are left out of its cache
 # key, so changing them alone keeps the finished result, or resumes a crashed attempt from its
 # checkpoints (resharded to the new layout). Everything else counts. docs/pipelines.md lists both.
-NOT_IN_KEY = ("output_dir", "tracking", "launcher", "parallel", "checkpoint", "reliability", "kernels")
+NOT_IN_KEY = ("output_dir", "tracking", "launcher", "parallel", "checkpoint", "reliability", "kernels",
+              "teacher_cache")
 NOT_IN_KEY_MODEL = ("kernels", "compile", "activation_checkpointing", "parallel")  # teacher.parallel: a layout
 
 

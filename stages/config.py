@@ -149,6 +149,9 @@ class DistillConfig(TrainStageConfig):
     on_policy_ratio: float = Field(0.5, ge=0, le=1, description="on_policy: share of student batches.")
     max_new_tokens: int = Field(64, gt=0, description="On-policy generation length.")
     top_k: int | None = Field(None, gt=0, description="Teacher's top-k logits only (offline: required).")
+    teacher_cache: str | None = Field(
+        None, description="Offline: where the teacher's top-k log-probs are kept, by teacher, k and data (reused "
+                          "by later runs); None = <output_dir>/teacher_cache (a pipeline: <workspace>/.cache/teacher).")
     ce_weight: float = Field(0.0, ge=0, description="Weight of a hard-label cross-entropy term.")
 
     _teacher = field_validator("teacher", mode="before")(model_shorthand)

@@ -21,14 +21,16 @@ share in on_policy mode (time/student_sampling_frac).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from stages.config import DistillConfig
 from core.data.encode import Document, last_run_start
@@ -115,42 +117,101 @@ class OnPolicyMix:
         self.loader.load_state_dict(s)
 
 
+CACHE_CHUNK = 64  # documents per file of the offline teacher cache
+
+
+class TeacherTopK:
+    """The teacher's top-k log-probs at every position of every training document (offline
+    distillation), kept on disk: one safetensors file of (tokens, k) ids and log-probs per chunk
+    of CACHE_CHUNK documents, under a directory named by what determines it (the teacher, k and
+    the documents' tokens: nothing of the student's settings), so any later run, or another
+    student, with the same teacher and data reuses it. A batch reads only its documents' rows,
+    memory-mapped; no rank holds the whole (tokens, k) table."""
+
+    def __init__(self, root: Path, docs: list[Document], k: int, teacher_id: str):
+        self.k = k
+        self.dir = root / f"top{k}-{digest([teacher_id, k, [x.input_ids for x in docs]])[:16]}"
+        self.chunks = (len(docs) + CACHE_CHUNK - 1) // CACHE_CHUNK
+        self.start = [0] * len(docs)  # each document's first row within its chunk's file
+        for i in range(len(docs)):
+            if i % CACHE_CHUNK:
+                self.start[i] = self.start[i - 1] + len(docs[i - 1])
+        self.length = [len(x) for x in docs]
+        self._files: dict[int, Any] = {}
+
+    def path(self, chunk: int) -> Path:
+        return self.dir / f"chunk-{chunk:06d}.safetensors"
+
+    @property
+    def complete(self) -> bool:
+        return (self.dir / "complete").exists()
+
+    def rows(self, doc_indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids (n, k) int64, log-probs (n, k)) of the documents' positions, in order."""
+        from safetensors import safe_open
+
+        ids, logps = [], []
+        for u in doc_indices:
+            c = u // CACHE_CHUNK
+            if c not in self._files:
+                if len(self._files) >= 16:  # a bounded number of open memory maps
+                    self._files.pop(next(iter(self._files)))
+                self._files[c] = safe_open(str(self.path(c)), "pt")
+            f, a = self._files[c], self.start[u]
+            ids.append(f.get_slice("ids")[a:a + self.length[u]])
+            logps.append(f.get_slice("logps")[a:a + self.length[u]])
+        return torch.cat(ids).long(), torch.cat(logps)
+
+
 @torch.no_grad()
-def teacher_topk(teacher, docs: list[Document], k: int, cache: Path, teacher_id: str, d: Dist) -> dict[str, torch.Tensor]:
-    """Top-k teacher log-probs at every position of every doc, concatenated over docs
-    ({"ids": (N, k) int32, "logps": (N, k) float32, "offsets": (D+1,)}), cached by content."""
-    key = digest([teacher_id, k, [x.input_ids for x in docs]])[:16]
-    path = cache / f"teacher_top{k}-{key}.safetensors"
-    if path.exists():
-        return load_file(str(path))
-    ids, logps, offsets = [], [], [0]
+def teacher_topk(teacher, docs: list[Document], k: int, cache: Path, teacher_id: str, d: Dist) -> TeacherTopK:
+    """Score the documents with the teacher into its TeacherTopK cache (unless complete): the
+    chunks still missing are dealt round-robin to the ranks, each writes its own chunks' files
+    (atomically, so a run killed meanwhile leaves whole files that the next run keeps), and every
+    rank runs as many forwards (a rank out of chunks scores one again, unsaved): a sharded
+    teacher's forwards are collective."""
+    topk = TeacherTopK(cache, docs, k, teacher_id)
+    if topk.complete:
+        return topk
+    d.barrier()  # every rank sees the same files missing
+    todo = [c for c in range(topk.chunks) if not topk.path(c).exists()]
+    mine = todo[d.rank::d.world]
+    rounds = (len(todo) + d.world - 1) // d.world
+    topk.dir.mkdir(parents=True, exist_ok=True)
     teacher.eval()
-    for i in range(0, len(docs), 64):
-        chunk = docs[i : i + 64]
+    for r in range(rounds):
+        c = mine[r] if r < len(mine) else todo[0]
+        chunk = docs[c * CACHE_CHUNK:(c + 1) * CACHE_CHUNK]
         batch = to_device(collate_padding_free(chunk), d.device)
         h, w = teacher(batch["input_ids"], batch["position_ids"], head=lambda h, w: (h, w))
+        ids, logps = [], []
         for j in range(0, h.shape[1], CHUNK):  # chunked so the full logits never exist
             lp = (h[0, j : j + CHUNK].float() @ w.float().T).log_softmax(-1)
             top = lp.topk(k, dim=-1)
             ids.append(top.indices.int().cpu())
             logps.append(top.values.cpu())
-        offsets.extend(offsets[-1] + len(x) for x in chunk)
-    result = {"ids": torch.cat(ids), "logps": torch.cat(logps), "offsets": torch.tensor(offsets)}
-    if d.is_main:
-        cache.mkdir(parents=True, exist_ok=True)
-        save_file(result, str(path))
+        if r < len(mine):
+            tmp = topk.path(c).with_name(f".{topk.path(c).name}.{os.getpid()}.tmp")
+            save_file({"ids": torch.cat(ids), "logps": torch.cat(logps)}, str(tmp))
+            os.replace(tmp, topk.path(c))
     d.barrier()
-    return result
+    if d.is_main:
+        missing = [c for c in range(topk.chunks) if not topk.path(c).exists()]
+        if missing:
+            raise StageError(f"distill: teacher cache {topk.dir} lacks chunks {missing[:5]} after scoring")
+        (topk.dir / "complete").write_text(json.dumps({"teacher": teacher_id, "k": k, "chunks": topk.chunks}))
+    d.barrier()
+    return topk
 
 
-def offline_objective(cfg: DistillConfig, topk: dict[str, torch.Tensor]) -> Any:
-    """Distillation from the cached top-k: positions gathered by each batch's document indices."""
+def offline_objective(cfg: DistillConfig, topk: TeacherTopK) -> Any:
+    """Distillation from the cached top-k: each batch reads its documents' rows."""
 
     def objective(model, batch):
         batch = cp_view(model, batch)
         labels, mask = batch["labels"], response_mask(batch)
-        rows = torch.cat([torch.arange(topk["offsets"][u], topk["offsets"][u + 1]) for u in batch["doc_indices"]])
-        t_ids, t_lp = topk["ids"][rows].long().to(labels.device), topk["logps"][rows].to(labels.device)
+        t_ids, t_lp = topk.rows(batch["doc_indices"])
+        t_ids, t_lp = t_ids.to(labels.device), t_lp.to(labels.device)
         if CP_KEY in batch:  # the rows of this rank's share of the positions
             t_ids, t_lp = shard_like(batch, t_ids), shard_like(batch, t_lp)
         sel = mask.reshape(-1)
@@ -201,7 +262,8 @@ class Distill:
         online = distill_objective(teacher, cfg.divergence, cfg.temperature, cfg.jsd_beta, cfg.ce_weight)
         teacher_id = (teacher_manifest or {}).get("digest", cfg.teacher.name_or_path)
         if cfg.mode == "offline":  # before training: not part of the step time
-            topk = teacher_topk(teacher, train_docs, cfg.top_k, s.out / "teacher_cache", teacher_id, d)
+            cache = Path(cfg.teacher_cache) if cfg.teacher_cache else s.out / "teacher_cache"
+            topk = teacher_topk(teacher, train_docs, cfg.top_k, cache, teacher_id, d)
             objective, train = offline_objective(cfg, topk), DeviceLoader(base, d.device)
         elif cfg.mode == "on_policy":
             objective, train = online, OnPolicyMix(DeviceLoader(base, d.device), s, prompts)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from core.config import to_json_file
 from core.tracking import TrackingConfig
@@ -86,7 +87,8 @@ def dpo_config(root: Path, name: str, **kw) -> DPOConfig:
 
 
 def distill_config(root: Path, name: str, **kw) -> DistillConfig:
-    return DistillConfig(output_dir=str(root / name), tracking=OFF, mode="online",
+    kw.setdefault("mode", "online")
+    return DistillConfig(output_dir=str(root / name), tracking=OFF,
                          teacher={"name_or_path": "debug", "overrides": {"hidden_size": 96, "intermediate_size": 256}},
                          data={"sources": [str(root / "data")], "batch_tokens": 256, "max_seq_len": 128},
                          max_steps=STEPS, eval_interval=0, checkpoint={"interval_steps": 0}, **kw)
@@ -274,6 +276,22 @@ def test_online_distillation_under_parallel_layouts_matches_one_process(root, kd
         cfg = DistillConfig.model_validate(cfg.model_dump())
     records = torchrun_stage(cfg, root / f".work-{layout}", 2)
     assert_same_run(records, kd_reference, root / layout, root / "kd-ref", ("val/kl_initial", "val/kl"))
+
+
+@pytest.mark.slow
+def test_offline_distillation_under_fsdp_matches_one_process(root):
+    """The sharded teacher scores the documents chunk by chunk, the chunks dealt to the 2 ranks,
+    each writing its own files; training reads the same rows as one process."""
+    ref = in_process(distill_config(root, "kd-off-ref", mode="offline", top_k=8, optim=optim(2)))
+    cfg = distill_config(root, "kd-off-fsdp", mode="offline", top_k=8, parallel={"dp_shard": 2}, optim=optim(1))
+    records = torchrun_stage(cfg, root / ".work-kd-off-fsdp", 2)
+    assert_same_run(records, ref, root / "kd-off-fsdp", root / "kd-off-ref", ("val/kl_initial", "val/kl"))
+    (one,) = (root / "kd-off-ref" / "teacher_cache").glob("top8-*")
+    (two,) = (root / "kd-off-fsdp" / "teacher_cache").glob("top8-*")
+    assert one.name == two.name  # the same key: teacher, k and documents
+    for a in sorted(one.glob("chunk-*")):
+        x, y = load_file(str(a)), load_file(str(two / a.name))
+        assert torch.equal(x["ids"], y["ids"]) and torch.allclose(x["logps"], y["logps"], atol=1e-5)
 
 
 def test_unsupported_layouts_are_refused_when_the_config_loads():

@@ -60,12 +60,25 @@ def test_offline_distillation_caches_teacher_topk(prepared):
 
     cfg = distill_cfg(prepared, "distill-offline", mode="offline", top_k=16)
     first = run(cfg)["metrics"]
-    cache = list((prepared / "distill-offline" / "teacher_cache").glob("teacher_top16-*.safetensors"))
-    assert len(cache) == 1
-    stamp = cache[0].stat().st_mtime_ns
+    (cache,) = (prepared / "distill-offline" / "teacher_cache").glob("top16-*")
+    chunks = sorted(cache.glob("chunk-*.safetensors"))
+    assert (cache / "complete").exists() and len(chunks) > 1  # one file per chunk of documents
+    stamps = {c: c.stat().st_mtime_ns for c in chunks}
     second = run(cfg)["metrics"]
-    assert cache[0].stat().st_mtime_ns == stamp  # reused, not recomputed
+    assert {c: c.stat().st_mtime_ns for c in chunks} == stamps  # reused, not recomputed
     assert first["val/kl"] < first["val/kl_initial"] and second["val/kl"] == pytest.approx(first["val/kl"])
+    # A run killed while scoring left some chunks: the next scores only the missing ones; and a
+    # student with other settings (here its learning rate) reads the same cache.
+    chunks[1].unlink()
+    (cache / "complete").unlink()
+    other = cfg.model_copy(update={"output_dir": str(prepared / "distill-offline-2"), "teacher_cache": str(cache.parent),
+                                   "optim": cfg.optim.model_copy(update={"lr": 1e-3})})
+    third = run(other)["metrics"]
+    assert (cache / "complete").exists() and chunks[1].exists()
+    assert {c: c.stat().st_mtime_ns for c in chunks if c != chunks[1]} == {c: t for c, t in stamps.items()
+                                                                         if c != chunks[1]}
+    assert not (prepared / "distill-offline-2" / "teacher_cache").exists()
+    assert third["val/kl"] < third["val/kl_initial"]
 
 
 @pytest.mark.parametrize("pairs,reference", [("offline", "disable_adapter"), ("on_policy", "precomputed")])
