@@ -234,7 +234,8 @@ def _format(cls: type[BaseModel], err: ValidationError, where: str, sets: list[t
     lines = []
     for e in err.errors(include_url=False):
         loc = e["loc"]
-        if not loc and (m := re.match(r"([A-Za-z_][\w.]*\w): ", e["msg"].removeprefix("Value error, "))) \
+        if not loc and "\n" not in e["msg"] \
+                and (m := re.match(r"([A-Za-z_][\w.]*\w): ", e["msg"].removeprefix("Value error, "))) \
                 and m.group(1).split(".")[0] in cls.model_fields:  # a whole-model check naming its key:
             loc = tuple(m.group(1).split("."))                       # `parallel: ...`, `parallel.pp: ...`
             e = {**e, "msg": e["msg"].removeprefix("Value error, ")[m.end():]}
