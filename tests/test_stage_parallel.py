@@ -10,9 +10,11 @@ The step's token count is the check that the batches are the same.
 
 The matrix covers each stage and each dimension once, and the named combinations once each:
 SFT under FSDP, TP+SP, CP, CP x TP and EP x FSDP / EP x TP (an MoE model), and a killed and
-resumed run under FSDP and TP bitwise equal to the uninterrupted one; DPO under CP x FSDP; online
+resumed run under FSDP and TP bitwise equal to the uninterrupted one; DPO under CP x FSDP, and
+on-policy under CP; online
 distillation with the teacher laid out as the student under CP and TP, and with a layout of its
-own (sharded while the student replicates).
+own (sharded while the student replicates); offline distillation under FSDP (the teacher's
+cache scored by both ranks).
 """
 
 from __future__ import annotations
@@ -252,6 +254,20 @@ def test_dpo_under_context_parallelism_and_fsdp_matches_one_process(root):
     records = torchrun_stage(cfg, root / ".work-dpo-cp-fsdp", 4)
     assert_same_run(records, ref, root / "dpo-cp-fsdp", root / "dpo-ref",
                     ("val/accuracy", "val/margin", "val/chosen", "val/rejected"))
+
+
+@pytest.mark.slow
+def test_on_policy_dpo_under_context_parallelism_matches_one_process(root):
+    """The policy samples its pairs as an ordinary model (ring attention off, FSDP units gathered),
+    each rank its seeded share of the prompts, then trains on them cut over the cp ranks."""
+    kw = dict(pairs="on_policy", reference="precomputed", num_samples=2, max_new_tokens=6)
+    ref = in_process(dpo_config(root, "dpo-op-ref", optim=optim(2, lr=5e-3), **kw))
+    cfg = dpo_config(root, "dpo-op-cp", parallel={"cp": 2}, optim=optim(2, lr=5e-3), **kw)
+    records = torchrun_stage(cfg, root / ".work-dpo-op-cp", 2)
+    assert_same_run(records, ref, root / "dpo-op-cp", root / "dpo-op-ref",
+                    ("val/accuracy", "val/margin", "val/chosen", "val/rejected"))
+    same = [(root / d / "on_policy" / "train.jsonl").read_text() for d in ("dpo-op-ref", "dpo-op-cp")]
+    assert same[0] == same[1]  # the same samples, rewards and pairs
 
 
 @pytest.fixture(scope="module")
