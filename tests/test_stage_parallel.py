@@ -11,10 +11,9 @@ The step's token count is the check that the batches are the same.
 The matrix covers each stage and each dimension once, and the named combinations once each:
 SFT under FSDP, TP+SP, CP, CP x TP and EP x FSDP / EP x TP (an MoE model), and a killed and
 resumed run under FSDP and TP bitwise equal to the uninterrupted one; DPO under CP x FSDP, and
-on-policy under CP; online
-distillation with the teacher laid out as the student under CP and TP, and with a layout of its
-own (sharded while the student replicates); offline distillation under FSDP (the teacher's
-cache scored by both ranks).
+on-policy under CP; online distillation with the teacher laid out as the student under CP and
+TP, and with a layout of its own (sharded while the student replicates); offline distillation
+under FSDP (the teacher's cache scored by both ranks).
 """
 
 from __future__ import annotations
