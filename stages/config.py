@@ -164,9 +164,9 @@ class DistillConfig(TrainStageConfig):
 
     def check_stage_layout(self) -> None:
         super().check_stage_layout()
-        if self.mode != "online" and self.parallel.tp > 1:  # sampling with a KV cache / full-vocab top-k
-            raise ValueError(f"parallel.tp: distillation mode={self.mode!r} does not support tensor parallelism "
-                             f"(tp={self.parallel.tp}) yet; set parallel.tp=1 or mode='online'")
+        if self.mode == "offline" and self.parallel.tp > 1:  # the cache holds top-k of the full vocabulary
+            raise ValueError(f"parallel.tp: distillation mode='offline' does not support tensor parallelism "
+                             f"(tp={self.parallel.tp}) yet; set parallel.tp=1 or mode='online' / 'on_policy'")
         t = self.teacher.parallel
         if t is not None:
             for key in ("tp", "cp"):
@@ -233,12 +233,6 @@ class DPOConfig(TrainStageConfig):
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
             raise ValueError(f"label_smoothing applies to loss_type sigmoid/robust, not {self.loss_type!r}")
         return self
-
-    def check_stage_layout(self) -> None:
-        super().check_stage_layout()
-        if self.pairs == "on_policy" and self.parallel.tp > 1:
-            raise ValueError(f"parallel.tp: pairs='on_policy' samples with a KV cache, which tensor parallelism "
-                             f"(tp={self.parallel.tp}) does not support yet; set parallel.tp=1 or pairs='offline'")
 
 
 class SelectConfig(ConfigModel):

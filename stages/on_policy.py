@@ -312,6 +312,14 @@ def choose(p: Prompt, cands: list[list[int]], texts: list[str], scores: list[flo
     return pair, rec
 
 
+def sampling_unit(d) -> tuple[int, int]:
+    """(index, count) of the groups of ranks that sample together: each rank alone, or under
+    tensor parallelism its tp group (tp is the mesh's innermost dimension), whose ranks decode
+    the same rows in lockstep."""
+    tp = d.mesh.dims.tp if d.mesh is not None else 1
+    return d.rank // tp, d.world // tp
+
+
 @torch.no_grad()
 def sample_pairs(s, prompts: list[Prompt], reward: Reward, split: str
                  ) -> tuple[list[PreferencePair], list[dict[str, Any]]]:
@@ -323,8 +331,9 @@ def sample_pairs(s, prompts: list[Prompt], reward: Reward, split: str
     failure: BaseException | None = None
     was = model.training
     model.eval()
-    with sampling(model, cfg.parallel):  # collective: every rank enters, then samples on its own
-        for k in range(d.rank, len(chunks), d.world):
+    unit, units = sampling_unit(d)
+    with sampling(model, cfg.parallel):  # collective: every rank enters, then samples with its tp group
+        for k in range(unit, len(chunks), units):
             try:
                 chunk = chunks[k]
                 params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.gen_temperature,
@@ -349,8 +358,8 @@ def sample_pairs(s, prompts: list[Prompt], reward: Reward, split: str
     for rank, (_, error) in enumerate(parts):
         if error is not None:
             raise StageError(f"dpo: on-policy sampling failed on rank {rank}: {error}")
-    outcomes = [o for _, chunk_outcomes in sorted((k, c) for part, _ in parts for k, c in part)
-                for o in chunk_outcomes]
+    by_chunk = {k: c for part, _ in parts for k, c in part}  # a tp group's ranks hold the same chunks
+    outcomes = [o for _, chunk_outcomes in sorted(by_chunk.items()) for o in chunk_outcomes]
     return [p for p, _ in outcomes if p is not None], [rec for _, rec in outcomes]
 
 

@@ -115,19 +115,23 @@ def sampling(model, cfg: ParallelConfig):
     """Around token-by-token generation from the policy. Under FSDP each unit is gathered once
     and kept for the duration instead of at every forward, so ranks sample without collectives
     (and may stop at different steps); resharded after. Under context parallelism the policy
-    attends as an ordinary model meanwhile. Collective: every rank enters it."""
+    attends as an ordinary model meanwhile; under tensor parallelism it decodes without the
+    sequence split, each tp group in lockstep (core.model.generate). Collective: every rank
+    enters it."""
     from core.parallel.context import without_context_parallel
+    from core.parallel.tensor import decode_without_sequence_parallel
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
-        with without_context_parallel(model):
+        with without_context_parallel(model), decode_without_sequence_parallel(model):
             yield
         return
     model.set_reshard_after_forward(False)
     for m in units:
         m.unshard()
     try:
-        with without_context_parallel(model):  # whole sequences, token by token, on each rank alone
+        # whole sequences, token by token, on each rank alone (under TP: with its tp group, unsplit by sequence)
+        with without_context_parallel(model), decode_without_sequence_parallel(model):
             yield
     finally:
         for m in units:

@@ -255,17 +255,28 @@ def test_dpo_under_context_parallelism_and_fsdp_matches_one_process(root):
                     ("val/accuracy", "val/margin", "val/chosen", "val/rejected"))
 
 
+@pytest.fixture(scope="module")
+def on_policy_reference(root):
+    return in_process(dpo_config(root, "dpo-op-ref", optim=optim(2, lr=5e-3), **ON_POLICY))
+
+
+ON_POLICY = dict(pairs="on_policy", reference="precomputed", num_samples=2, max_new_tokens=6)
+
+
 @pytest.mark.slow
-def test_on_policy_dpo_under_context_parallelism_matches_one_process(root):
-    """The policy samples its pairs as an ordinary model (ring attention off, FSDP units gathered),
-    each rank its seeded share of the prompts, then trains on them cut over the cp ranks."""
-    kw = dict(pairs="on_policy", reference="precomputed", num_samples=2, max_new_tokens=6)
-    ref = in_process(dpo_config(root, "dpo-op-ref", optim=optim(2, lr=5e-3), **kw))
-    cfg = dpo_config(root, "dpo-op-cp", parallel={"cp": 2}, optim=optim(2, lr=5e-3), **kw)
-    records = torchrun_stage(cfg, root / ".work-dpo-op-cp", 2)
-    assert_same_run(records, ref, root / "dpo-op-cp", root / "dpo-op-ref",
+@pytest.mark.parametrize("layout,parallel", [
+    # samples as an ordinary model (ring attention off, FSDP units gathered), each rank its seeded
+    # share of the prompts; trains on them cut over the cp ranks
+    ("dpo-op-cp", {"cp": 2}),
+    # decodes with its KV heads split over tp (no sequence split), both tp ranks on the same rows
+    ("dpo-op-tp", {"tp": 2}),
+])
+def test_on_policy_dpo_under_parallel_layouts_matches_one_process(root, on_policy_reference, layout, parallel):
+    cfg = dpo_config(root, layout, parallel=parallel, optim=optim(2, lr=5e-3), **ON_POLICY)
+    records = torchrun_stage(cfg, root / f".work-{layout}", 2)
+    assert_same_run(records, on_policy_reference, root / layout, root / "dpo-op-ref",
                     ("val/accuracy", "val/margin", "val/chosen", "val/rejected"))
-    same = [(root / d / "on_policy" / "train.jsonl").read_text() for d in ("dpo-op-ref", "dpo-op-cp")]
+    same = [(root / d / "on_policy" / "train.jsonl").read_text() for d in ("dpo-op-ref", layout)]
     assert same[0] == same[1]  # the same samples, rewards and pairs
 
 
@@ -314,8 +325,6 @@ def test_unsupported_layouts_are_refused_when_the_config_loads():
 
     with pytest.raises(ConfigError, match=r"^parallel\.pp: pipeline parallelism \(pp=2\)"):
         load_config(SFTConfig, overrides=["parallel.pp=2"])
-    with pytest.raises(ConfigError, match=r"^parallel\.tp: pairs='on_policy'"):
-        load_config(DPOConfig, overrides=["parallel.tp=2", "pairs=on_policy"])
     with pytest.raises(ConfigError, match=r"^parallel\.tp: distillation mode='offline'"):
         load_config(DistillConfig, overrides=["parallel.tp=2", "mode=offline", "top_k=8"])
 

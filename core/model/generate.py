@@ -4,6 +4,9 @@ Prompts of different lengths share one batch by left padding, so every row write
 the same slot each step; position ids count only real tokens, so padding changes nothing.
 Every step is one call of the model's forward (the lm_head applied to the last position as its
 `head`), so wrappers that act in forward hooks (FSDP gathering weights) see it like training.
+Under tensor parallelism (outside sequence parallelism: parallel.tensor's decode mode) each rank
+caches its own KV heads, the vocab-split logits are gathered, and the ranks of a tp group, which
+decode the same rows, all take the tokens tp rank 0 drew.
 """
 
 from __future__ import annotations
@@ -54,9 +57,26 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits
 
 
+def _tp_group(model: Transformer):
+    """The tp group of a model whose lm_head tensor parallelism split by vocab, else None."""
+    return getattr(model.lm_head, "tp_group", None)
+
+
 def _last_logits(model: Transformer, ids, positions, mask, cache: KVCache) -> torch.Tensor:
-    """(B, V) fp32 logits of the last position, through forward."""
-    return model(ids, positions, mask, cache=cache, head=lambda h, w: model.lm_head(h[:, -1])).float()
+    """(B, V) fp32 logits of the last position, through forward (under tensor parallelism each
+    rank's vocab slice, gathered)."""
+    logits = model(ids, positions, mask, cache=cache, head=lambda h, w: model.lm_head(h[:, -1])).float()
+    group = _tp_group(model)
+    if group is not None:
+        from core.parallel.mappings import all_gather
+
+        logits = all_gather(logits, -1, group)
+    return logits
+
+
+def _kv_heads(model: Transformer) -> int:
+    """KV heads this rank holds: all of them, or its share under tensor parallelism."""
+    return model.layers[0].attn.k_proj.out_features // model.args.head_dim
 
 
 @torch.no_grad()
@@ -74,7 +94,8 @@ def generate(
         ids[b, T0 - len(p):] = torch.tensor(p, device=device)
         mask[b, T0 - len(p):T0] = 1
     positions = (mask[:, :T0].cumsum(-1) - 1).clamp(min=0)
-    cache = KVCache.empty(model.args, B, total, device, model.embed.weight.dtype)
+    cache = KVCache.empty(model.args, B, total, device, model.embed.weight.dtype, kv_heads=_kv_heads(model))
+    group = _tp_group(model)  # tp ranks decode the same rows in lockstep: rank 0's tokens are everyone's
     gen = torch.Generator(device=device).manual_seed(params.seed) if params.seed is not None else None
     stop = torch.tensor(list(params.stop_token_ids) or [-1], device=device)
 
@@ -93,6 +114,10 @@ def generate(
             probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
             token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
         token = torch.where(done, pad_id, token)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.broadcast(token, dist.get_global_rank(group, 0), group=group)
         out[:, t] = token
         logps[:, t] = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
         newly = ~done & torch.isin(token, stop)

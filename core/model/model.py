@@ -39,8 +39,10 @@ class KVCache:
     length: int = 0
 
     @classmethod
-    def empty(cls, args: ModelArgs, batch: int, max_len: int, device, dtype) -> "KVCache":
-        shape = (args.num_layers, batch, args.num_kv_heads, max_len, args.head_dim)
+    def empty(cls, args: ModelArgs, batch: int, max_len: int, device, dtype,
+              kv_heads: int | None = None) -> "KVCache":
+        """kv_heads: the heads this rank holds (its share under tensor parallelism); default all."""
+        shape = (args.num_layers, batch, kv_heads or args.num_kv_heads, max_len, args.head_dim)
         return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -205,9 +205,11 @@ def shard_moe_tokens(moe: MoE, tp_group: dist.ProcessGroup, sequence_parallel: b
 
     replicate_over_tp(moe, tp_group)
     moe.tp_group = tp_group  # its token_mask is sliced like the sequence
-    if not sequence_parallel:
-        moe.register_forward_pre_hook(lambda mod, args: (scatter_to_sp(args[0], tp_group),) + args[1:])
-        moe.register_forward_hook(lambda mod, args, out: gather_from_sp_replicated(out, tp_group))
+    moe.tp_split_tokens = not sequence_parallel  # read per call: decoding (one token a step) runs all of them
+    moe.register_forward_pre_hook(
+        lambda mod, args: ((scatter_to_sp(args[0], tp_group),) + args[1:]) if mod.tp_split_tokens else args)
+    moe.register_forward_hook(
+        lambda mod, args, out: gather_from_sp_replicated(out, tp_group) if mod.tp_split_tokens else out)
 
 
 @torch.no_grad()

@@ -75,8 +75,10 @@ class EnterRegion(ParallelStyle):
     sequence_parallel: bool
 
     def apply(self, module, mesh, name):
-        group, sp = mesh.get_group(), self.sequence_parallel
-        module.register_forward_pre_hook(lambda mod, args: (enter_region(args[0], group, sp),) + args[1:])
+        group = mesh.get_group()
+        module.tp_sequence_parallel = self.sequence_parallel  # read per call: decoding switches it off
+        module.register_forward_pre_hook(
+            lambda mod, args: (enter_region(args[0], group, mod.tp_sequence_parallel),) + args[1:])
 
 
 @dataclass(frozen=True)

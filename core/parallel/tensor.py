@@ -245,3 +245,28 @@ def replicate_over_tp(module: nn.Module, group) -> nn.Module:
     module.register_forward_pre_hook(swap_in)
     module.register_forward_hook(swap_out, always_call=True)
     return module
+
+
+class decode_without_sequence_parallel:
+    """Within it, a model under tensor parallelism runs with replicated activations between its
+    tensor-parallel regions (no sequence split): for token-by-token decoding, whose one new token
+    a step cannot be split by sequence. Weights, KV heads and vocab stay split; only where the
+    activations live changes, so the results are those of the model with sequence parallelism."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        self.changed: list[tuple[nn.Module, str, object]] = []
+        for m in self.model.modules():
+            for attr, off in (("input_mode", "replicated"), ("output_mode", "replicated"),
+                              ("tp_sequence_parallel", False), ("tp_split_tokens", False)):
+                value = getattr(m, attr, None)
+                if value in ("sequence", True):
+                    self.changed.append((m, attr, value))
+                    setattr(m, attr, off)
+        return self.model
+
+    def __exit__(self, *exc):
+        for m, attr, value in self.changed:
+            setattr(m, attr, value)
