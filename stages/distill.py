@@ -37,6 +37,7 @@ from core.manifest import digest
 from core.model.generate import SamplingParams, generate
 from core.objectives import CHUNK, distill_objective
 from core.trainer import LossOutput
+from stages.adapters import adapter_routing, routed, trained_adapters
 from stages.common import Dist, StageError, load_model, parse_spec
 from stages.recipe import Plan, Session, run_training
 from stages.training import DeviceLoader, doc_loader, drop_metrics, mean_loss, sampling, stage_data, to_device
@@ -170,7 +171,7 @@ class Distill:
         timed = TimedTeacher(teacher, s)
         # on_policy reads the prompts off the completion masks, so the rows are loaded masked
         data = cfg.data.model_copy(update={"mask_prompt": True}) if cfg.mode == "on_policy" else cfg.data
-        train_docs, val_docs, stats = stage_data(cfg.data.sources, "sft", tok, data)
+        train_docs, val_docs, stats = stage_data(cfg.data.sources, "sft", tok, data, adapter_routing(cfg.lora))
         prompts: list[list[int]] = []
         if cfg.mode == "on_policy":
             prompts = [prompt_of(doc) for doc in train_docs]
@@ -192,6 +193,10 @@ class Distill:
             objective, train = online, OnPolicyMix(DeviceLoader(base, d.device), s, prompts)
         else:
             objective, train = online, DeviceLoader(base, d.device)
+
+        names = trained_adapters(cfg)
+        if names:  # each document through its adapter (on_policy is refused with several)
+            objective, online = routed(objective, names), routed(online, names)
 
         def validate() -> dict[str, float]:
             if not val_docs:

@@ -64,6 +64,9 @@ class LoRAConfig(ConfigModel):
                  if sum(s in v for v in self.adapter_sources.values()) > 1]
         if twice:
             raise ValueError(f"adapter_sources: {twice[0]!r} is mapped to more than one adapter")
+        if self.multi and self.init_lora_weights == "pissa":
+            raise ValueError("init_lora_weights='pissa' moves part of the base into each adapter; several adapters "
+                             "share one base, so use kaiming or gaussian")
         if self.multi and self.modules_to_save:
             raise ValueError("modules_to_save trains shared weights, which every adapter's examples would move; "
                              "with several adapter_names train adapters only")
