@@ -94,9 +94,12 @@ def test_sft_exports_each_adapter_loadable_with_peft(root, sft_run):
 
 
 @pytest.mark.slow  # MLflow's sqlite store takes ~15 s to create
-def test_each_adapter_is_logged_to_the_stage_run(root):
+def test_each_adapter_is_logged_and_registered_on_its_own(root):
+    """Each adapter's PEFT files are artifacts of the stage's run, with per-adapter metrics; the
+    registry registers one adapter's merged model (what an evaluate node of `sft:b` selects)."""
     from mlflow import MlflowClient
 
+    from registry.mlflow_registry import RegistryConfig, register_and_promote
     from stages.sft import run
 
     uri = f"sqlite:///{root}/mlflow.db"
@@ -110,6 +113,13 @@ def test_each_adapter_is_logged_to_the_stage_run(root):
     history = client.get_metric_history(run_id, "tokens/b")
     assert history and all(h.value > 0 for h in history)
     assert client.get_metric_history(run_id, "grad_norm/a")
+
+    source = {"model_dir": str(root / "tracked" / "model-b"), "model_name": "model-b", "evaluate": "eval",
+              "metrics": {"exact_match": 0.5}, "lineage": {}}
+    decision = register_and_promote(RegistryConfig(model_name="adapter-b"), uri, run_id, source)
+    version = client.get_model_version("adapter-b", decision["version"])
+    files = {Path(f.path).name for f in client.list_artifacts(version.run_id, "model")}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
 
 
 class KilledAt:
