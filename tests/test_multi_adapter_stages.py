@@ -162,6 +162,22 @@ def test_killed_run_resumes_to_the_uninterrupted_outputs(root):
     assert again["files"] == whole["files"]  # merged models too, bit for bit
 
 
+def test_one_adapter_of_any_name_trains_and_exports(root):
+    """adapter_names: [solo] (no routing): exported as the stage's adapter/ and model/, as 'default' is."""
+    from registry.adapters import load_adapter
+    from registry.hf import load_pretrained
+    from stages.sft import run
+
+    out = root / "solo"
+    m = run(sft_cfg(root, "solo", max_steps=2, lora={**LORA, "adapter_names": ["solo"]}))
+    assert {"adapter", "model", "tokenizer"} == m["outputs"].keys()
+    base = load_pretrained(root / "base").eval()
+    load_adapter(base, out / "adapter")
+    ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (base(ids) - load_pretrained(out / "model").eval()(ids)).abs().max() < 1e-4
+
+
 def test_rows_map_to_adapters_by_source(root, tmp_path):
     """adapter_sources: every row of a.jsonl trains a, of b.jsonl b (no column needed)."""
     from stages.sft import run
