@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pydantic import Field, field_validator
@@ -35,8 +36,28 @@ class OptimConfig(ConfigModel):
 
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decay matrices, never norms, biases or other 1-D parameters."""
+def param_groups(model: nn.Module, weight_decay: float, adapters: Sequence[str] = (), lr: float | None = None,
+                 adapter_lr: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
+    """AdamW groups: decay matrices, never norms, biases or other 1-D parameters. With `adapters`
+    (several LoRA adapters trained at once) each adapter's parameters form groups of their own,
+    tagged `adapter` (its name), at its learning rate (`adapter_lr`, default `lr`)."""
+    if adapters:
+        from core.lora import lora_parameters
+
+        groups = []
+        for name in adapters:
+            rate = (adapter_lr or {}).get(name, lr)
+            params = [p for p in lora_parameters(model, name) if p.requires_grad]
+            for decay, wd in ((True, weight_decay), (False, 0.0)):
+                chosen = [p for p in params if (p.ndim >= 2) == decay]
+                if chosen:
+                    groups.append({"params": chosen, "weight_decay": wd, "lr": rate, "adapter": name})
+        own = {id(p) for g in groups for p in g["params"]}
+        other = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in own]
+        if other:
+            raise ValueError(f"{other[:3]} are trained but belong to no adapter; with several adapters only "
+                             "adapters train")
+        return groups
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:

@@ -9,6 +9,12 @@ Losses are accumulated as *sums* over target tokens and divided by the step's to
 (all-reduced over data-parallel ranks) once, at `optim_step`. So the gradient is the exact
 token-weighted mean whatever the micro-batching, accumulation or data-parallel layout: every
 layout reproduces the single-process step.
+
+Several LoRA adapters trained at once (`adapters`, each example routed to its own: core.lora's
+route_adapters) are as many trainings in one: every adapter has its own parameter groups (and
+learning rate), its gradient is normalized by the tokens routed to it (LossOutput.adapter_tokens)
+and clipped on its own, and an adapter that no token of the step reached does not step at all (no
+weight decay, no moment update). So an adapter's update depends on its own examples only.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import torch
@@ -36,6 +43,8 @@ class LossOutput:
     """What `loss_sum` is a sum over; the step's mean divides by its total."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Extra per-micro-batch numbers (already means), averaged over the step's micro-batches."""
+    adapter_tokens: torch.Tensor | None = None
+    """With several adapters: what `num_tokens` counts, per adapter (A,), in Trainer.adapters' order."""
 
 
 Objective = Callable[[nn.Module, dict[str, Any]], LossOutput]
@@ -52,6 +61,8 @@ class Trainer:
         dp_group: dist.ProcessGroup | None = None,
         grads_are_averaged: bool = False,
         stats_group: dist.ProcessGroup | None = None,
+        adapters: Sequence[str] = (),
+        adapter_lr: Mapping[str, float] | None = None,
     ):
         """model: already parallelized (core.parallel.parallelize) and on its device.
         dp_group: the data-parallel group over which token counts are summed: the ranks that see
@@ -59,7 +70,9 @@ class Trainer:
         grads_are_averaged: True when the DP wrapper (DDP, FSDP) averages gradients over ranks,
         so the token normalization must undo that division.
         stats_group: where MoE tokens_per_expert are summed; default dp_group (under tp, whose
-        ranks route shards of the tokens: mesh.group("dp_cp_tp"))."""
+        ranks route shards of the tokens: mesh.group("dp_cp_tp")).
+        adapters: several LoRA adapters trained at once (module docstring), at optim.lr or their
+        `adapter_lr`; the objective then reports LossOutput.adapter_tokens."""
         self.model = model
         self.cfg = optim
         self.total_steps = total_steps
@@ -72,10 +85,12 @@ class Trainer:
         self.dtensors = any(isinstance(p, DTensor) for p in self.params)
         mixed = self.dtensors and not all(isinstance(p, DTensor) for p in self.params)
         fused = self.device.type == "cuda" and not mixed
+        self.adapters = list(adapters)
         self.optimizer = torch.optim.AdamW(
-            param_groups(model, optim.weight_decay), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-            fused=fused or None,
+            param_groups(model, optim.weight_decay, self.adapters, optim.lr, adapter_lr), lr=optim.lr,
+            betas=tuple(optim.betas), eps=optim.eps, fused=fused or None,
         )
+        init_optimizer_state(self.optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
         self.autocast_dtype = autocast_dtype
         self.dp_group = dp_group
@@ -89,6 +104,7 @@ class Trainer:
     def _reset_accum(self) -> None:
         self._tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._adapter_tokens = torch.zeros(len(self.adapters), dtype=torch.float64, device=self.device)
         self._metrics: dict[str, list[float]] = {}
 
     def _autocast(self):
@@ -108,6 +124,11 @@ class Trainer:
         loss.backward()
         n = torch.as_tensor(out.num_tokens, dtype=torch.float64, device=self.device)
         self._tokens += n
+        if self.adapters:
+            if out.adapter_tokens is None or out.adapter_tokens.shape != (len(self.adapters),):
+                raise ValueError(f"training adapters {self.adapters}: the objective must report adapter_tokens, one "
+                                 "count per adapter (stages.training.routed wraps an objective so)")
+            self._adapter_tokens += out.adapter_tokens.to(self.device, torch.float64)
         self._loss += out.loss_sum.detach().double()
         for k, v in out.metrics.items():
             self._metrics.setdefault(k, []).append(float(v))
@@ -121,22 +142,23 @@ class Trainer:
         A step whose gradient norm or loss is not finite, or for whose metrics `skip_if` (e.g. a
         loss-spike screen) says True, is skipped (gradients dropped, schedule not advanced) and
         reported with `skipped=1`. The loss and norm are global, so every rank decides alike."""
-        totals = torch.stack([self._tokens, self._loss])
+        totals = torch.cat([torch.stack([self._tokens, self._loss]), self._adapter_tokens])
         if self.dp_group is not None:
             all_reduce(totals, group=self.dp_group, name="trainer/tokens_loss")
-        tokens, loss_sum = totals.tolist()
-        scale = (self.dp_size if self.grads_are_averaged else 1.0) / max(tokens, 1.0)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        tokens, loss_sum, *per_adapter = totals.tolist()
+        dp = self.dp_size if self.grads_are_averaged else 1.0
         max_norm = self.cfg.max_grad_norm or float("inf")
-        if self.dtensors:  # gradients on several meshes (TP, FSDP), which torch's clip cannot mix
-            grad_norm = float(clip_across_meshes(self.params, max_norm))
+        if not self.adapters:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(dp / max(tokens, 1.0))
+            grad_norm = self._clip(self.params, max_norm)
+            adapter_metrics = {}
         else:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
+            grad_norm, adapter_metrics = self._normalize_adapters(per_adapter, dp, max_norm)
         metrics = {k: sum(v) / len(v) for k, v in self._metrics.items()}
         metrics.update(loss=loss_sum / max(tokens, 1.0), grad_norm=grad_norm, tokens=tokens,
-                       lr=self.scheduler.get_last_lr()[0])
+                       lr=self.scheduler.get_last_lr()[0], **adapter_metrics)
         bad = not math.isfinite(grad_norm) or not math.isfinite(metrics["loss"])
         if bad or (skip_if is not None and skip_if(metrics)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -150,6 +172,31 @@ class Trainer:
         self.step += 1
         self._reset_accum()
         return {**metrics, "skipped": 0.0}
+
+    def _clip(self, params: list[nn.Parameter], max_norm: float) -> float:
+        if self.dtensors:  # gradients on several meshes (TP, FSDP), which torch's clip cannot mix
+            return float(clip_across_meshes(params, max_norm))
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+
+    def _normalize_adapters(self, tokens: list[float], dp: float, max_norm: float) -> tuple[float, dict[str, float]]:
+        """Each adapter's gradient over its own tokens, clipped on its own; an adapter no token
+        reached loses its (zero) gradient, so the optimizer leaves it as it is. Returns the norm of
+        all of them (before clipping) and per-adapter metrics."""
+        metrics, total = {}, 0.0
+        for name, n in zip(self.adapters, tokens):
+            params = [p for g in self.optimizer.param_groups if g.get("adapter") == name for p in g["params"]]
+            metrics[f"tokens/{name}"] = n
+            if n == 0:
+                for p in params:
+                    p.grad = None
+                continue
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(dp / n)
+            norm = self._clip(params, max_norm)
+            metrics[f"grad_norm/{name}"] = norm
+            total += norm * norm
+        return math.sqrt(total), metrics
 
     def _after_step(self, metrics: dict[str, float]) -> None:
         # MoE: log the routing balance, then take one aux-loss-free bias step (DeepSeek-V3).
@@ -185,3 +232,31 @@ class Trainer:
         if extra is not None:
             self.load_state_dict(extra["trainer"])
         return extra
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter the state the optimizer would create at its first step (for AdamW:
+    step 0, zero moments), now, so a checkpoint holds the state of every parameter even before
+    each has had a gradient (an adapter no example has reached yet), and a resume finds it all.
+    One step with zero gradients at lr 0 creates it (parameters unchanged: p * (1 - 0) + 0), then
+    the step counts are set back to 0."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)]
+    if not params:
+        return
+    grads = [p.grad for p in params]
+    rates = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, rates):
+        g["lr"] = lr
+    for p, grad in zip(params, grads):
+        p.grad = grad
+        step = optimizer.state[p].get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            optimizer.state[p]["step"] = 0

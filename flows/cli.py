@@ -5,7 +5,7 @@
     posttrain serve [CONFIG.yaml]                   Prefect deployments: on demand + cron retraining
     posttrain ui                                    prefect server + mlflow server on 127.0.0.1
     posttrain demo                                  the embedded default pipeline, end to end
-    posttrain bench sft|kernels|all                 benchmarks, JSON out
+    posttrain bench sft|kernels|adapters|all        benchmarks, JSON out
     posttrain config [CONFIG.yaml] [--set ...]      the resolved DAG and what is cached (--json, --convert OLD)
     posttrain generate MODEL "prompt" ...           sample from a preset, HF dir or stage output
 """
@@ -126,10 +126,10 @@ def cmd_ui(args) -> int:
 def cmd_bench(args) -> int:
     import subprocess
 
-    which = ["sft", "kernels"] if args.what == "all" else [args.what]
+    which = ["sft", "kernels", "adapters"] if args.what == "all" else [args.what]
     rc = 0
     for w in which:
-        module = {"sft": "benchmarks.sft", "kernels": "benchmarks.kernels"}[w]
+        module = {"sft": "benchmarks.sft", "kernels": "benchmarks.kernels", "adapters": "benchmarks.adapters"}[w]
         rc |= subprocess.call([sys.executable, "-m", module, *args.extra])
     return rc
 
@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="benchmarks (JSON on stdout)")
-    p.add_argument("what", choices=["sft", "kernels", "all"])
+    p.add_argument("what", choices=["sft", "kernels", "adapters", "all"])
     p.add_argument("extra", nargs=argparse.REMAINDER, help="passed to the benchmark script")
     p.set_defaults(func=cmd_bench)
 

@@ -9,6 +9,8 @@ References: wherever a node takes a model (`model`, `teacher`, `judge`, an evalu
   - a node name: its output. A rounds chain means its last round; a sweep means all its members
     (only where a list is taken: `models`, `data.sources`); an evaluate node in a model place
     means the model it selects (it needs `select`). Expanded names (`dpo@r1`) can be named too.
+    `node:adapter` (model places) is one adapter of a node training several (lora.adapter_names):
+    that adapter merged into the base (stages/adapters.py).
   - `models:/name@alias` or `models:/name/3`: a registered MLflow model, fetched when the node runs;
   - a model preset name (model places only), or an existing path (HF dir, stage output, data file).
 Anything else, a wrong type (a data node as a model), a cycle, a layout the launcher's ranks or the
@@ -50,6 +52,7 @@ class Edge:
     dst: str  # the node that reads it
     role: Role
     key: str  # where in dst's settings: "model", "teacher", "data.sources[0]", "models[2]", "judge"
+    adapter: str | None = None  # `node:adapter`: that adapter of a node training several
 
 
 @dataclass
@@ -233,10 +236,32 @@ class PipelineDAG:
                                      "`select: {metric: ...}` to hand its best model on")
         return targets
 
+    def _adapter_ref(self, node: Node, key: str, value: str) -> tuple[list[str], str] | None:
+        """(targets, adapter) of a `node:adapter` reference, or None when `value` is not one."""
+        base, sep, adapter = value.rpartition(":")
+        if not sep or base not in self.members or is_registry_ref(value):
+            return None
+        where = f"nodes.{node.base}.{key}"
+        targets = self._resolve(node, key, base, "model", False)
+        for t in targets:
+            cfg = self.nodes[t].cfg
+            names = cfg.lora.adapter_names if getattr(cfg, "lora", None) is not None and cfg.lora.enabled else []
+            if len(names) < 2 or adapter not in names:
+                raise ValueError(f"{where}: {value!r} names adapter {adapter!r} of node {base!r}, which trains "
+                                 f"{'adapters ' + ', '.join(names) if len(names) > 1 else 'no several adapters'}")
+            if cfg.save != "full" and not cfg.export_merged:
+                raise ValueError(f"{where}: {value!r} is adapter {adapter!r} merged into the base, which node "
+                                 f"{base!r} does not write (save: adapter); set its save: full or export_merged: true")
+        return targets, adapter
+
     def _wire(self, node: Node) -> None:
         presets = _presets()
         for key, value, role in _model_refs(node.cfg):
             many = role == "evaluated"
+            ref = self._adapter_ref(node, key, value) if value not in self.members else None
+            if ref is not None:
+                node.edges.extend(Edge(t, node.name, role, key, ref[1]) for t in ref[0])
+                continue
             targets = self._resolve(node, key, value, role, many)
             if targets is not None:
                 node.edges.extend(Edge(t, node.name, role, key) for t in targets)
@@ -374,26 +399,28 @@ class PipelineDAG:
         spec.launcher = spec.launcher or self.cfg.launcher.model_copy(deep=True)
         spec.tracking = spec.tracking or self.cfg.tracking.model_copy(deep=True)
 
-        def model_path(src: str) -> str:
+        def model_path(src: str, adapter: str | None = None) -> str:
             u = upstream[src]
             if self.nodes[src].kind == "evaluate":
                 if u.selected is None:
                     raise RuntimeError(f"evaluate node {src!r} selected no model")
                 return u.selected
+            if adapter is not None:  # stages.adapters.merged_dir
+                return str(Path(u.output_dir) / f"model-{adapter}")
             return u.output_dir
 
-        evaluated = [model_path(e.src) for e in node.edges if e.role == "evaluated"]
+        evaluated = [model_path(e.src, e.adapter) for e in node.edges if e.role == "evaluated"]
         data = [upstream[e.src].output_dir for e in node.edges if e.role == "data"]
         for e in node.edges:
             if e.role == "model":
-                spec.model.name_or_path = model_path(e.src)
+                spec.model.name_or_path = model_path(e.src, e.adapter)
             elif e.role == "teacher":
-                spec.teacher.name_or_path = model_path(e.src)
+                spec.teacher.name_or_path = model_path(e.src, e.adapter)
             elif e.role == "judge":
                 if node.kind == "evaluate":
-                    spec.judge = model_path(e.src)
+                    spec.judge = model_path(e.src, e.adapter)
                 else:
-                    spec.judge.name_or_path = model_path(e.src)
+                    spec.judge.name_or_path = model_path(e.src, e.adapter)
         for key, local in (external or {}).items():
             if key == "model":
                 spec.model.name_or_path = local
@@ -408,8 +435,9 @@ class PipelineDAG:
             models = []
             for i, m in enumerate(node.cfg.models):
                 key = f"models[{i}]"
-                srcs = [e.src for e in node.edges if e.key == key]
-                models.extend(model_path(s) for s in srcs) if srcs else models.append((external or {}).get(key, m))
+                srcs = [e for e in node.edges if e.key == key]
+                models.extend(model_path(e.src, e.adapter) for e in srcs) if srcs else \
+                    models.append((external or {}).get(key, m))
             spec.models = models
             assert len(evaluated) <= len(models)
         if node.kind != "data_prep":
@@ -419,6 +447,13 @@ class PipelineDAG:
                 sources.extend(upstream[x].output_dir for x in srcs) if srcs else sources.append(s)
             spec.data.sources = sources
             assert len(data) <= len(sources)
+            lora = getattr(spec, "lora", None)
+            if lora is not None and lora.adapter_sources:  # the same sources, by what they became
+                where = dict(zip(node.cfg.data.sources, [[upstream[e.src].output_dir for e in node.edges
+                                                           if e.key == f"data.sources[{i}]"] or [s]
+                                                          for i, s in enumerate(node.cfg.data.sources)]))
+                lora.adapter_sources = {a: [x for s in srcs for x in where.get(s, [s])]
+                                        for a, srcs in lora.adapter_sources.items()}
         return spec
 
     def describe(self) -> dict[str, Any]:

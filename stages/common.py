@@ -112,6 +112,11 @@ def resolve_model_dir(name_or_path: str) -> tuple[Path | None, dict | None]:
     if is_stage_dir(p):
         manifest = read_manifest(p)
         model_rel = manifest["outputs"].get("model")
+        adapters = sorted(k.split("/", 1)[1] for k in manifest["outputs"] if k.startswith("model/"))
+        if model_rel is None and adapters:  # several adapters, each merged on its own (stages/adapters.py)
+            raise StageError(f"{p}: stage {manifest['stage']!r} trained several adapters ({', '.join(adapters)}); "
+                             f"name one: {p / manifest['outputs']['model/' + adapters[0]]} (in a pipeline "
+                             f"'<node>:{adapters[0]}')")
         if model_rel is None:
             raise StageError(f"{p}: stage {manifest['stage']!r} produced no model output")
         return p / model_rel, manifest

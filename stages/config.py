@@ -9,6 +9,7 @@ TrackingConfig (core.tracking), LauncherConfig (stages.launch.config)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -124,6 +125,29 @@ class TrainStageConfig(StageConfig):
         if p.pp > 1:
             raise ValueError(f"parallel.pp: pipeline parallelism (pp={p.pp}) does not run in the training stages "
                              "yet; set parallel.pp=1 and shard with FSDP, TP or CP instead")
+
+    @model_validator(mode="after")
+    def _check_adapters(self) -> TrainStageConfig:
+        """What several adapters trained at once (stages/adapters.py) cannot do yet."""
+        lora = self.lora
+        if not (lora.enabled and lora.multi):
+            return self
+        for key in ("cp", "pp"):
+            if getattr(self.parallel, key) > 1:
+                raise ValueError(f"parallel: several adapters (lora.adapter_names) are routed per token of whole "
+                                 f"sequences, which {key}={getattr(self.parallel, key)} splits; set parallel.{key}=1 "
+                                 "(FSDP, DDP and TP run)")
+        for key in ("mode", "pairs"):
+            if getattr(self, key, None) == "on_policy":
+                raise ValueError(f"lora: several adapters with {key}='on_policy', which samples from the policy, is "
+                                 "not supported (which adapter would sample?); train them offline, or one per node")
+        sources = [os.path.abspath(s) for s in self.data.sources]
+        for name, srcs in lora.adapter_sources.items():
+            for src in srcs:
+                if os.path.abspath(src) not in sources:
+                    raise ValueError(f"lora: adapter_sources.{name}: {src!r} is not one of data.sources "
+                                     f"{self.data.sources}")
+        return self
 
 
 class SFTConfig(TrainStageConfig):

@@ -41,6 +41,7 @@ from core.model.generate import SamplingParams, generate
 from core.objectives import CHUNK, cp_view, distill_objective, response_mask, shifted
 from core.parallel.context import CP_KEY, shard_like
 from core.trainer import LossOutput
+from stages.adapters import adapter_routing, routed, trained_adapters
 from stages.common import Dist, StageError, parse_spec
 from stages.recipe import Plan, Session, load_frozen, run_training
 from stages.training import DeviceLoader, doc_loader, drop_metrics, mean_loss, sampling, stage_data, to_device
@@ -246,7 +247,7 @@ class Distill:
 
         # on_policy reads the prompts off the completion masks, so the rows are loaded masked
         data = cfg.data.model_copy(update={"mask_prompt": True}) if cfg.mode == "on_policy" else cfg.data
-        train_docs, val_docs, stats = stage_data(cfg.data.sources, "sft", tok, data)
+        train_docs, val_docs, stats = stage_data(cfg.data.sources, "sft", tok, data, adapter_routing(cfg.lora))
         prompts: list[list[int]] = []
         if cfg.mode == "on_policy":
             prompts = [prompt_of(doc) for doc in train_docs]
@@ -269,6 +270,10 @@ class Distill:
             objective, train = online, OnPolicyMix(DeviceLoader(base, d.device), s, prompts)
         else:
             objective, train = online, DeviceLoader(base, d.device)
+
+        names = trained_adapters(cfg)
+        if names:  # each document through its adapter (on_policy is refused with several)
+            objective, online = routed(objective, names), routed(online, names)
 
         def validate() -> dict[str, float]:
             if not val_docs:

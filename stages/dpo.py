@@ -25,6 +25,7 @@ from core.data.encode import PreferencePair
 from core.lora import disable_adapter
 from core.manifest import digest
 from core.objectives import dpo_objective, pair_logps
+from stages.adapters import adapter_routing, routed, trained_adapters
 from stages.common import Dist, StageError, parse_spec
 from stages.on_policy import on_policy_pairs
 from stages.recipe import Plan, Session, load_frozen, run_training
@@ -121,7 +122,8 @@ class DPO:
                 raise StageError(f"dpo: on-policy sampling gave no pairs: for all {extra['on_policy/prompts']} "
                                  "prompts every sample scored the same (see on_policy/train.jsonl)")
         else:
-            train_data, val_data, stats = stage_data(cfg.data.sources, "preference", tok, cfg.data)
+            train_data, val_data, stats = stage_data(cfg.data.sources, "preference", tok, cfg.data,
+                                                     adapter_routing(cfg.lora))
             pairs, val_pairs, extra = [p for p, _ in train_data], [p for p, _ in val_data], drop_metrics(stats)
             if not pairs:
                 raise StageError(f"dpo: no training pairs in {', '.join(map(str, cfg.data.sources))}")
@@ -139,6 +141,8 @@ class DPO:
 
         objective = dpo_objective(cfg.beta, cfg.loss_type, cfg.label_smoothing, cfg.simpo_gamma, cfg.sft_weight,
                                   reference=reference)
+        if trained_adapters(cfg):  # each pair through its adapter; the reference stays the base
+            objective = routed(objective, trained_adapters(cfg))
         train = DeviceLoader(pair_loader(pairs, cfg, d, epochs=cfg.epochs, extra=attach_ref), d.device)
 
         def validate() -> dict[str, float]:

@@ -42,6 +42,7 @@ from core.reliability import Reliability
 from core.trainer import Objective, Trainer
 from stages.common import (Dist, StageError, close_distributed, load_model, load_on_meta, load_tokenizer,
                            materialize_model, progress, stage_run, start_distributed)
+from stages.adapters import log_adapters, trained_adapters
 from stages.training import clear_checkpoints, export
 
 log = logging.getLogger("posttrain.recipe")
@@ -219,13 +220,14 @@ def build_trainer(s: Session, total_steps: int) -> Trainer:
     """The Trainer for the policy's layout (the optimizer is made here, after parallelizing)."""
     cfg, d = s.cfg, s.dist
     autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and d.device.type == "cuda" else None
+    adapters = dict(adapters=trained_adapters(cfg), adapter_lr=cfg.lora.adapter_lr)  # stages/adapters.py
     if d.mesh is None:
-        return Trainer(s.model, cfg.optim, total_steps, autocast_dtype=autocast)
+        return Trainer(s.model, cfg.optim, total_steps, autocast_dtype=autocast, **adapters)
     # Tokens are distinct across dp x cp ranks (tp ranks share them), and FSDP / DDP average
     # the gradients over exactly those ranks; MoE layers route a share of the tokens on each tp rank.
     dims = d.mesh.dims
     return Trainer(s.model, cfg.optim, total_steps, autocast_dtype=autocast, dp_group=d.mesh.group("dp_cp"),
-                   grads_are_averaged=dims.fsdp or dims.ddp, stats_group=d.mesh.group("dp_cp_tp"))
+                   grads_are_averaged=dims.fsdp or dims.ddp, stats_group=d.mesh.group("dp_cp_tp"), **adapters)
 
 
 def total_steps(cfg: TrainStageConfig, batches_per_epoch: int) -> int:
@@ -290,6 +292,7 @@ def finish(s: Session, plan: Plan, last: dict[str, float], before: dict[str, flo
         manifest = write_manifest(out, s.name, outputs, metrics=metrics, config=cfg.model_dump(mode="json"),
                                   inputs=inputs, extra={"mlflow_run_id": s.run.run_id})
         s.run.log_metrics(metrics, step=last["steps"])
+        log_adapters(s.run, out, outputs)
         s.run.log_artifact(str(out / "manifest.json"))
     clear_checkpoints(out, d)
     return manifest

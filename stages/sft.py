@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from stages.config import SFTConfig
 from core.objectives import sft_objective
+from stages.adapters import adapter_routing, per_adapter_loss, routed, trained_adapters
 from stages.common import parse_spec
 from stages.recipe import Plan, Session, run_training
 from stages.training import DeviceLoader, doc_loader, mean_loss, sft_documents
@@ -19,17 +20,24 @@ class SFT:
 
     def setup(self, s: Session) -> Plan:
         cfg, d = s.cfg, s.dist
-        train_docs = sft_documents(cfg.data.sources, "train", s.tok, cfg.data)
-        val_docs = sft_documents(cfg.data.sources, "validation", s.tok, cfg.data)
+        routing, names = adapter_routing(cfg.lora), trained_adapters(cfg)
+        train_docs = sft_documents(cfg.data.sources, "train", s.tok, cfg.data, routing)
+        val_docs = sft_documents(cfg.data.sources, "validation", s.tok, cfg.data, routing)
+        objective = routed(sft_objective, names) if names else sft_objective
+
+        def val_loss(docs) -> float:
+            val = DeviceLoader(doc_loader(docs, cfg.data, d, epochs=1, evaluation=True), d.device)
+            return mean_loss(s.model, val, objective, d)
 
         def validate() -> dict[str, float]:
             if not val_docs:
                 return {}
-            val = DeviceLoader(doc_loader(val_docs, cfg.data, d, epochs=1, evaluation=True), d.device)
-            return {"val/loss": mean_loss(s.model, val, sft_objective, d)}
+            if names:  # val/loss/<adapter> too
+                return per_adapter_loss(val_docs, names, val_loss, "val/loss")
+            return {"val/loss": val_loss(val_docs)}
 
         train = DeviceLoader(doc_loader(train_docs, cfg.data, d, epochs=cfg.epochs), d.device)
-        return Plan(train, sft_objective, validate)
+        return Plan(train, objective, validate)
 
 
 def run(cfg: SFTConfig) -> dict:

@@ -25,30 +25,35 @@ from stages.config import TrainStageConfig
 from core.data import build_loader, load_documents, load_splits
 from core.data.encode import Document, PreferencePair
 from core.data.errors import DropStats
+from core.data.routing import AdapterRouting
 from core.data.sampler import StatefulLoader
 from core.lora import apply_lora, merged_state_dict
 from core.manifest import CHECKPOINTS
 from core.model import Transformer
 from core.parallel import full_state_dict
+from stages.adapters import export_adapters, trained_adapters
 from stages.common import Dist
 
 log = logging.getLogger("posttrain.training")
 
 
-def sft_documents(sources: list[str], split: str, tok, cfg) -> list[Document]:
+def sft_documents(sources: list[str], split: str, tok, cfg, routing: AdapterRouting | None = None
+                  ) -> list[Document]:
     """Tokenized SFT documents of `split`: data prep's Parquet (stored labels) for a data-prep
-    stage dir; raw user sources are validated, tokenized and split here by content hash."""
-    return load_documents(sources, split, tok, cfg)
+    stage dir; raw user sources are validated, tokenized and split here by content hash. With
+    `routing` (several adapters) each document is tagged with its adapter."""
+    return load_documents(sources, split, tok, cfg, routing)
 
 
-def stage_data(sources: list[str], task: str, tok, cfg: DataConfig) -> tuple[list, list, DropStats]:
+def stage_data(sources: list[str], task: str, tok, cfg: DataConfig, routing: AdapterRouting | None = None
+               ) -> tuple[list, list, DropStats]:
     """(train, validation, skipped rows) of a training stage's data, `task` "sft" (Documents) or
     "preference" ((PreferencePair, row)): data prep's output split by split, a raw source read,
     validated and tokenized once and split by data.val_fraction (or by the split a saved
     DatasetDict names). Every bad row is raised or, with data.on_bad_row='skip', counted here,
-    before training starts."""
+    before training starts. With `routing` (several adapters) every item is tagged with its adapter."""
     stats = DropStats()
-    got = load_splits(sources, task, ("train", "validation"), tok, cfg, stats)
+    got = load_splits(sources, task, ("train", "validation"), tok, cfg, stats, routing)
     if stats.total_dropped:
         first = "; ".join(m for shown in stats.examples.values() for m in shown[:1])
         log.warning("data: skipped rows (%s); e.g. %s", stats, first)
@@ -160,23 +165,28 @@ def mean_loss(model, loader, objective, d: Dist) -> float:
 
 def export(model, tok, cfg: TrainStageConfig, out: Path, d: Dist) -> dict[str, str]:
     """Write the stage's model outputs on rank 0: HF weights (LoRA merged) + tokenizer, and the
-    PEFT adapter when LoRA was trained. Returns manifest outputs. Collective."""
+    PEFT adapter when LoRA was trained (each adapter on its own when several were: stages/adapters.py).
+    Returns manifest outputs. Collective."""
     from registry.adapters import save_adapter
     from registry.hf import save_pretrained
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
         model = gathered_copy(model, cfg)  # sharded (FSDP) or split (TP): None off rank 0
     outputs: dict[str, str] = {}
-    if d.is_main:
+    if d.is_main and trained_adapters(cfg):
+        outputs.update(export_adapters(model, tok, cfg, out))  # each adapter on its own (stages/adapters.py)
+    elif d.is_main:
         lora = cfg.lora.enabled
+        name = cfg.lora.adapter_names[0]
         if cfg.save == "full" or cfg.export_merged:
-            state = merged_state_dict(model) if lora else None
+            state = merged_state_dict(model, name) if lora else None
             save_pretrained(model, out / "model", state=state)
             tok.save_pretrained(out / "model")
             outputs["model"] = "model"
         if lora:
-            save_adapter(model, out / "adapter", base_model=cfg.model.name_or_path)
+            save_adapter(model, out / "adapter", name=name, base_model=cfg.model.name_or_path)
             outputs["adapter"] = "adapter"
+    if d.is_main:
         tok.save_pretrained(out / "tokenizer")
         outputs["tokenizer"] = "tokenizer"
     d.barrier()

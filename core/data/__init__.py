@@ -11,6 +11,7 @@
                  (read_documents, read_pairs; load_documents / load_pairs / load_splits also take raw
                  sources)
     packing.py   packing into max_seq_len rows, padding-free and padded collation, cu_seqlens
+    routing.py   several adapters trained at once: which adapter each row trains (a column, or its source)
     sampler.py   deterministic, resumable, rank-sharded micro-batches
     loader.py    build_loader: the one loader the stages use (packing, micro_batch_size / batch_tokens,
                  train vs evaluation, lockstep padding, doc_indices)
@@ -24,6 +25,7 @@ Names load on first use (core.lazy): `core.data.config` (DataConfig) imports wit
 from core.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "AdapterRouting": "core.data.routing",
     "BatchSampler": "core.data.sampler",
     "DataError": "core.data.errors",
     "Document": "core.data.encode",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core.data.encode import Document, Encoder, PreferencePair, Tokenizer, num_tokens
 from core.data.errors import DataError, DropStats, RowError, describe
@@ -82,18 +82,21 @@ def read_template(template: str | None) -> str | None:
     return template
 
 
-def load_data(cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
+def load_data(cfg: DataConfig, tokenizer: Tokenizer, tag: Callable[[Any], int] | None = None) -> PreparedData:
     """Read, validate and tokenize cfg.sources. Raises DataError for the first bad row (or any
-    source problem) when cfg.on_bad_row == "error"; otherwise counts bad rows in `stats`."""
+    source problem) when cfg.on_bad_row == "error"; otherwise counts bad rows in `stats`. `tag`
+    (raw row -> adapter index, or RowError; core.data.routing) sets every item's adapter."""
     pipeline = ExamplePipeline(make_encoder(cfg, tokenizer), cfg.val_fraction, cfg.test_fraction, dedup=cfg.dedup)
     splits: dict[str, list] = {s: [] for s in SPLITS}
 
-    def add(source: Source, example: Example) -> None:
+    def add(source: Source, example: Example, row: Any = None) -> None:
+        adapter = tag(row) if tag is not None else None  # a bad adapter fails before tokenizing
         split, item = pipeline(example, source.split)
+        item.adapter = adapter
         splits[split].append(item)
 
     stats = DropStats()
-    task = for_each_example(list(cfg.sources), cfg.format, cfg.on_bad_row, stats, add)
+    task = for_each_example(list(cfg.sources), cfg.format, cfg.on_bad_row, stats, add, with_row=tag is not None)
     return PreparedData(task, splits, stats, pad_id_of(tokenizer))
 
 

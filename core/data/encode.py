@@ -47,6 +47,7 @@ class Document:
 
     input_ids: list[int]
     labels: list[int]
+    adapter: int | None = None  # several adapters trained at once: the one it trains (core.data.routing)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -62,9 +63,10 @@ class PreferencePair:
     chosen_labels: list[int]
     rejected_ids: list[int]
     rejected_labels: list[int]
+    adapter: int | None = None  # several adapters trained at once: the one it trains (core.data.routing)
 
     def _doc(self, ids: list[int], labels: list[int]) -> Document:
-        return Document(self.prompt_ids + ids, [IGNORE_INDEX] * len(self.prompt_ids) + labels)
+        return Document(self.prompt_ids + ids, [IGNORE_INDEX] * len(self.prompt_ids) + labels, self.adapter)
 
     @property
     def chosen(self) -> Document:

@@ -28,6 +28,7 @@ REASONS = (
     "too_long",            # over max_seq_len and the truncation policy cannot fix it (or is "drop")
     "too_short",           # fewer tokens than data prep's min_tokens
     "duplicate",           # exact duplicate of an earlier row (dedup=True)
+    "unknown_adapter",     # with several LoRA adapters: the row names one that is not trained
 )
 
 _JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object",

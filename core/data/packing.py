@@ -13,6 +13,10 @@ Two layouts:
   padded        one packed row per batch row, (B, L), right-padded: attention_mask 0 and labels -100
                 on padding, whose positions form their own run from 0 (so cu_seqlens, over the
                 flattened (B*L) tokens, stays consistent with position_ids).
+
+Documents tagged with an adapter (several adapters trained at once, core.data.routing) add
+`adapter_ids`, each token's adapter (-1 on padding and untagged documents), the routing
+core.lora.route_adapters takes, and `sequence_adapters`, each document's.
 """
 
 from __future__ import annotations
@@ -101,6 +105,17 @@ def _flatten(rows: Sequence[Sequence[Document]], lengths: list[int]):
     return ids, labels, pos, seq
 
 
+def _adapters(docs: Sequence[Document], batch: dict) -> dict:
+    """Add adapter_ids (the tokens' adapters, laid out as sequence_ids) and sequence_adapters to a
+    batch of `docs` (in sequence order), if any is tagged."""
+    if all(d.adapter is None for d in docs):
+        return batch
+    seq = torch.tensor([-1 if d.adapter is None else d.adapter for d in docs] + [-1], dtype=torch.long)
+    batch["sequence_adapters"] = seq[:-1]
+    batch["adapter_ids"] = seq[batch["sequence_ids"]]  # sequence id -1 (padding) picks the last: -1
+    return batch
+
+
 def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
@@ -114,7 +129,7 @@ def collate_padding_free(docs: Sequence[Document]) -> dict[str, torch.Tensor | i
     lengths: list[int] = []
     ids, labels, pos, seq = _flatten([docs], lengths)
     labels_t = torch.tensor([labels], dtype=torch.long)
-    return {
+    return _adapters(docs, {
         "input_ids": torch.tensor([ids], dtype=torch.long),
         "labels": labels_t,
         "position_ids": torch.tensor([pos], dtype=torch.long),
@@ -122,7 +137,7 @@ def collate_padding_free(docs: Sequence[Document]) -> dict[str, torch.Tensor | i
         "max_seqlen": max(lengths, default=0),
         "num_target_tokens": (labels_t != IGNORE_INDEX).sum(),
         "sequence_ids": torch.tensor([seq], dtype=torch.long),
-    }
+    })
 
 
 def collate_padded(rows: Sequence[Sequence[Document]], pad_id: int, pad_to: int | None = None
@@ -153,7 +168,7 @@ def collate_padded(rows: Sequence[Sequence[Document]], pad_id: int, pad_to: int 
         sequence_ids[b, :n] = torch.tensor(seq, dtype=torch.long)  # numbered across the whole batch
         position_ids[b, n:] = torch.arange(width - n)
         segments += lengths[len(lengths) - len(row):] + ([width - n] if width > n else [])
-    return {
+    return _adapters([d for row in rows for d in row], {
         "input_ids": input_ids,
         "labels": labels,
         "position_ids": position_ids,
@@ -162,7 +177,7 @@ def collate_padded(rows: Sequence[Sequence[Document]], pad_id: int, pad_to: int 
         "max_seqlen": max(segments, default=0),
         "num_target_tokens": (labels != IGNORE_INDEX).sum(),
         "sequence_ids": sequence_ids,
-    }
+    })
 
 
 def collate_preference(pairs: Sequence[PreferencePair], padding_free: bool = True, pad_id: int = 0

@@ -35,6 +35,7 @@ from core.manifest import is_stage_dir, read_manifest
 
 if TYPE_CHECKING:
     from core.data.config import DataConfig
+    from core.data.routing import AdapterRouting
 
 TASKS = ("sft", "preference")
 COLUMNS = {
@@ -112,26 +113,28 @@ def read_rows(sources: Sources, task: str, split: str) -> list[dict[str, Any]]:
 
 
 def read_documents(sources: Sources, split: str, cfg: DataConfig | None = None,
-                   bos_id: int | None = None) -> list[Document]:
+                   bos_id: int | None = None, routing: AdapterRouting | None = None) -> list[Document]:
     """SFT Documents of a split of prepared sources, with the stored labels. With the stage's `cfg`:
     `mask_prompt=False` puts the loss on every token, and a document over `max_seq_len` goes
     through `truncation` as a raw row would (core.data.encode.truncate); one no policy can fit is
-    a DataError naming its file and row (or skipped, with on_bad_row='skip')."""
+    a DataError naming its file and row (or skipped, with on_bad_row='skip'). With `routing`, each
+    document is tagged with its row's adapter (core.data.routing), a bad one an error the same way."""
     docs = []
     for src in _as_list(sources):
+        tag = routing.tagger(src) if routing is not None else None
         for i, r in enumerate(read_rows(src, "sft", split)):
             ids, labels = r["input_ids"], r["labels"]
             if cfg is not None and not cfg.mask_prompt:
                 labels = list(ids)
-            if cfg is not None and len(ids) > cfg.max_seq_len:
-                try:
+            try:
+                if cfg is not None and len(ids) > cfg.max_seq_len:
                     ids, labels = truncate(ids, labels, cfg.max_seq_len, cfg.truncation, bos_id,
                                            last_run_start([x != IGNORE_INDEX for x in r["labels"]]))
-                except RowError as e:
-                    if e.always_skip or cfg.on_bad_row == "skip":
-                        continue
-                    raise DataError.from_row(e, str(prepared_files(src, "sft", split)[0]), i, "row") from None
-            docs.append(Document(ids, labels))
+                docs.append(Document(ids, labels, tag(r) if tag is not None else None))
+            except RowError as e:
+                if e.always_skip or (cfg is not None and cfg.on_bad_row == "skip"):
+                    continue
+                raise DataError.from_row(e, str(prepared_files(src, "sft", split)[0]), i, "row") from None
     return docs
 
 
@@ -141,24 +144,27 @@ def pair_of(row: dict[str, Any]) -> PreferencePair:
                           row["rejected_labels"])
 
 
-def read_pairs(sources: Sources, split: str, cfg: DataConfig | None = None,
-               bos_id: int | None = None) -> list[tuple[PreferencePair, dict[str, Any]]]:
+def read_pairs(sources: Sources, split: str, cfg: DataConfig | None = None, bos_id: int | None = None,
+               routing: AdapterRouting | None = None) -> list[tuple[PreferencePair, dict[str, Any]]]:
     """(PreferencePair, row) for every preference row of a split of prepared sources; the row keeps
     its other fields (e.g. the synthetic suite's `answer` and `task`, which on-policy DPO verifies).
     With the stage's `cfg`, a pair whose prompt + longest completion exceeds max_seq_len goes
     through `truncation` as the Encoder does for raw rows: right cuts the completions, left the
-    prompt (after BOS), drop skips the pair; one no policy fits is a DataError (or skipped)."""
+    prompt (after BOS), drop skips the pair; one no policy fits is a DataError (or skipped). With
+    `routing`, each pair is tagged with its row's adapter."""
     out = []
     for src in _as_list(sources):
+        tag = routing.tagger(src) if routing is not None else None
         for i, r in enumerate(read_rows(src, "preference", split)):
             pair = pair_of(r)
-            if cfg is not None and pair.longest > cfg.max_seq_len:
-                try:
+            try:
+                if cfg is not None and pair.longest > cfg.max_seq_len:
                     pair = fit_pair(pair, cfg.max_seq_len, cfg.truncation, bos_id)
-                except RowError as e:
-                    if e.always_skip or cfg.on_bad_row == "skip":
-                        continue
-                    raise DataError.from_row(e, str(prepared_files(src, "preference", split)[0]), i, "row") from None
+                pair.adapter = tag(r) if tag is not None else None
+            except RowError as e:
+                if e.always_skip or (cfg is not None and cfg.on_bad_row == "skip"):
+                    continue
+                raise DataError.from_row(e, str(prepared_files(src, "preference", split)[0]), i, "row") from None
             out.append((pair, r))
     return out
 
@@ -186,15 +192,16 @@ def fit_pair(p: PreferencePair, max_len: int, policy: str, bos_id: int | None) -
 
 
 def _load_raw(src: str | Path, task: str, tokenizer: Tokenizer | None, cfg: DataConfig | None,
-              stats: DropStats | None = None):
-    """load_data of one raw source (every split), checked to hold `task` rows; its skipped rows are
-    added to `stats`."""
+              stats: DropStats | None = None, routing: AdapterRouting | None = None):
+    """load_data of one raw source (every split), checked to hold `task` rows (tagged with their
+    adapters by `routing`); its skipped rows are added to `stats`."""
     from core.data.dataset import load_data
 
     if tokenizer is None or cfg is None:
         raise DataError("raw data (not a data-prep stage directory) needs a tokenizer and a DataConfig",
                         source=str(src))
-    data = load_data(cfg.model_copy(update={"sources": [str(src)]}), tokenizer)
+    data = load_data(cfg.model_copy(update={"sources": [str(src)]}), tokenizer,
+                     routing.tagger(src) if routing is not None else None)
     if data.task != task:
         raise DataError(f"holds {data.task} rows; this stage needs {task} rows", source=str(src))
     if stats is not None:
@@ -213,12 +220,14 @@ def _check_prepared(src: str | Path, cfg: DataConfig | None) -> None:
 
 
 def load_splits(sources: Sources, task: str, splits: Sequence[str], tokenizer: Tokenizer | None = None,
-                cfg: DataConfig | None = None, stats: DropStats | None = None) -> dict[str, list]:
+                cfg: DataConfig | None = None, stats: DropStats | None = None,
+                routing: AdapterRouting | None = None) -> dict[str, list]:
     """{split: items} for several splits of every source, `task` "sft" (Documents) or "preference"
     ((PreferencePair, row) tuples; a raw source's rows hold the pair's token columns only). Data
     prep's output is read back split by split (cut to cfg.max_seq_len); a raw source (JSONL,
     Parquet, saved datasets) is validated, tokenized and split once by load_data with cfg, its
-    skipped rows counted in `stats`. Every bad row is raised (or counted) here, before training."""
+    skipped rows counted in `stats`. Every bad row is raised (or counted) here, before training.
+    With `routing` (several adapters), every item is tagged with its adapter (core.data.routing)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
     out: dict[str, list] = {canonical_split(s): [] for s in splits}
@@ -228,11 +237,11 @@ def load_splits(sources: Sources, task: str, splits: Sequence[str], tokenizer: T
             _check_prepared(src, cfg)
             for split in out:
                 if task == "sft":
-                    out[split].extend(read_documents(src, split, cfg, bos_id))
+                    out[split].extend(read_documents(src, split, cfg, bos_id, routing))
                 else:
-                    out[split].extend(read_pairs(src, split, cfg, bos_id))
+                    out[split].extend(read_pairs(src, split, cfg, bos_id, routing))
         else:
-            data = _load_raw(src, task, tokenizer, cfg, stats)
+            data = _load_raw(src, task, tokenizer, cfg, stats, routing)
             for split in out:
                 items = data[split]
                 out[split].extend(items if task == "sft" else [(p, record({}, p)) for p in items])
@@ -240,11 +249,11 @@ def load_splits(sources: Sources, task: str, splits: Sequence[str], tokenizer: T
 
 
 def load_documents(sources: Sources, split: str, tokenizer: Tokenizer | None = None,
-                   cfg: DataConfig | None = None) -> list[Document]:
+                   cfg: DataConfig | None = None, routing: AdapterRouting | None = None) -> list[Document]:
     """SFT Documents of `split` from every source: data prep's Parquet for a stage directory (cut to
     cfg.max_seq_len); raw sources (JSONL, Parquet, saved datasets) validated, tokenized and split by
     load_data with cfg, one source at a time."""
-    return load_splits(sources, "sft", [split], tokenizer, cfg)[split]
+    return load_splits(sources, "sft", [split], tokenizer, cfg, routing=routing)[split]
 
 
 def load_pairs(sources: Sources, split: str, tokenizer: Tokenizer | None = None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from core.config import ConfigModel
 
@@ -24,7 +24,22 @@ class LoRAConfig(ConfigModel):
     quantize_base: Literal["nf4"] | None = Field(None, description="QLoRA: hold the frozen base in NF4.")
     double_quant: bool = Field(False, description="Also quantize the NF4 block scales.")
     adapter_names: list[str] = Field(
-        ["default"], description="Named adapters on one base, trained in one job; the first is active.")
+        ["default"], description="Named adapters on one base, trained in one job; the first is active. With "
+                                 "several, each example trains the one its row names (adapter_column) or its "
+                                 "source maps to (adapter_sources); each is exported on its own.")
+    adapter_column: str = Field(
+        "adapter", description="With several adapters: the data field naming each row's adapter.")
+    adapter_sources: dict[str, list[str]] = Field(
+        {}, description="With several adapters: adapter -> data sources (paths as in data.sources) whose every "
+                        "row trains it, instead of naming it in adapter_column.")
+    adapter_lr: dict[str, float] = Field(
+        {}, description="Peak learning rate per adapter (its own parameter group); the others use optim.lr.")
+
+    @field_validator("adapter_sources", mode="before")
+    @classmethod
+    def _one_source(cls, v):
+        """`{a: data/a.jsonl}` means `{a: [data/a.jsonl]}`."""
+        return {k: [s] if isinstance(s, str) else s for k, s in v.items()} if isinstance(v, dict) else v
 
     @model_validator(mode="after")
     def _check(self) -> LoRAConfig:
@@ -39,5 +54,28 @@ class LoRAConfig(ConfigModel):
         names = self.adapter_names
         if not names or len(set(names)) != len(names) or not all(n.isidentifier() for n in names):
             raise ValueError(f"adapter_names must be unique identifiers, got {names}")
+        for key in ("adapter_sources", "adapter_lr"):
+            unknown = sorted(set(getattr(self, key)) - set(names))
+            if unknown:
+                raise ValueError(f"{key} names {unknown}, which are not in adapter_names {names}")
+        if any(lr <= 0 for lr in self.adapter_lr.values()):
+            raise ValueError(f"adapter_lr: learning rates must be > 0, got {self.adapter_lr}")
+        twice = [s for s in {s for v in self.adapter_sources.values() for s in v}
+                 if sum(s in v for v in self.adapter_sources.values()) > 1]
+        if twice:
+            raise ValueError(f"adapter_sources: {twice[0]!r} is mapped to more than one adapter")
+        if self.multi and self.init_lora_weights == "pissa":
+            raise ValueError("init_lora_weights='pissa' moves part of the base into each adapter; several adapters "
+                             "share one base, so use kaiming or gaussian")
+        if self.multi and self.modules_to_save:
+            raise ValueError("modules_to_save trains shared weights, which every adapter's examples would move; "
+                             "with several adapter_names train adapters only")
+        if not self.multi and self.adapter_sources:
+            raise ValueError("adapter_sources routes data to one of several adapter_names; there is one")
         return self
+
+    @property
+    def multi(self) -> bool:
+        """Several adapters trained at once, each example routed to its own."""
+        return len(self.adapter_names) > 1
 

@@ -14,8 +14,8 @@ computed, without forming W', as a correction to the base output:
 `LoRALinear` replaces an nn.Linear in place and keeps its `weight` and `bias` as direct
 attributes, so state-dict keys (`layers.0.attn.q_proj.weight`) do not change. Several named
 adapters live on one base: `set_adapter` picks the active one, `route_adapters` gives every
-example of a batch its own adapter (multi-adapter training in one pass), `disable_adapter` gives
-the base model (DPO's reference model). With `quantize_base` (QLoRA) the frozen base is stored
+example of a batch, or every token of a packed row, its own adapter (multi-adapter training in one
+pass), `disable_adapter` gives the base model (DPO's reference model). With `quantize_base` (QLoRA) the frozen base is stored
 as NF4 (core/quant.py, kernels/nf4.py) and dequantized on the fly, in backward too.
 
 The model-level API (apply_lora from a LoRAConfig, named adapters, merging) is core/lora/model.py.
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.quant import NF4Weight, nf4_linear, quantize_nf4
-from kernels.lora import lora_linear
+from kernels.dispatch import use_triton
+from kernels.lora import lora_linear, lora_linear_multi
 
 OUTPUT_HEADS = ("lm_head", "output")  # left out of "all-linear" unless `exclude` says otherwise
 # (weight, bias, A, B, scale, dropout): the arguments of kernels.lora.lora_linear after x.
@@ -69,7 +70,8 @@ class LoRALinear(nn.Module):
         self.disabled = False
         self.merged: list[str] = []  # merged adapters are part of `weight`, in merge order
         self._merged_norm: dict[str, torch.Tensor] = {}  # DoRA: the norm used at merge time
-        self.routing: torch.Tensor | None = None  # (B,) local adapter index; see route_adapters
+        # Local adapter index per example (B,) or per token (B, T); len(adapters) = none. See route_adapters.
+        self.routing: torch.Tensor | None = None
         self.base_rewritten = False  # PiSSA moved part of W into an adapter
 
     @property
@@ -178,11 +180,15 @@ class LoRALinear(nn.Module):
         return self.plain_lora()
 
     def forward(self, x: torch.Tensor, adapter_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (..., in). adapter_ids: (B,) indices into `self.adapters` (len(adapters) = none)."""
+        """x: (..., in). adapter_ids: indices into `self.adapters`, one per example (B,) or per
+        token (x.shape[:-1]); len(adapters) (or any index outside them) means no adapter."""
         plain = self.plain_lora() if adapter_ids is None else None
         if plain is not None:
             # The common case: base and low-rank path in one fused op (Triton on GPUs).
             return lora_linear(x, *plain)
+        ids = adapter_ids if adapter_ids is not None else self.routing
+        if ids is not None and not self.disabled:
+            return self._routed_forward(x, token_ids(ids, x))
         base = self._dense(x)
         if self.bias is not None:
             base = base + self.bias
@@ -190,9 +196,6 @@ class LoRALinear(nn.Module):
             if self.merged:
                 raise RuntimeError(f"adapters {self.merged} are merged; unmerge before disabling")
             return base
-        ids = adapter_ids if adapter_ids is not None else self.routing
-        if ids is not None:
-            return self._routed_forward(x, base, ids)
         name = self.active_adapter
         if name is None or name in self.merged:
             return base
@@ -204,42 +207,42 @@ class LoRALinear(nn.Module):
         mag = self.lora_magnitude[name] / self._weight_norm(name)
         return self._dora_out(base, x, xd, mag, lora)
 
-    def _routed_forward(self, x: torch.Tensor, base: torch.Tensor, ids: torch.Tensor):
-        """Example b uses adapter ids[b]: gather each example's A/B, two batched matmuls."""
+    def _routed_forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Token t uses adapter ids[t] (ids: x.shape[:-1], from token_ids)."""
         if self.merged:
             raise RuntimeError(f"adapters {self.merged} are merged; unmerge before routing")
-        names, bsz = self.adapters, x.shape[0]
-        if ids.shape != (bsz,):
-            raise ValueError(f"adapter_ids must have shape ({bsz},), got {tuple(ids.shape)}")
+        names = self.adapters
+        ids = none_outside(ids.to(x.device, torch.long), len(names))
+        dropout = self.training and any(self.configs[n]["dropout"] > 0 for n in names)
+        if names and not (dropout or self.quantized or self.lora_magnitude) and use_triton(x, self.weight):
+            # One fused kernel: base + each row's adapter (adapters zero-padded to one rank).
+            r = max(self.configs[n]["rank"] for n in names)
+            a = torch.stack([F.pad(self.lora_A[n], (0, 0, 0, r - self.configs[n]["rank"])) for n in names])
+            b = torch.stack([F.pad(self.lora_B[n], (0, r - self.configs[n]["rank"])) for n in names])
+            scales = torch.tensor([self.scaling[n] for n in names], device=x.device)
+            return lora_linear_multi(x, self.weight, self.bias, a, b, scales, ids)
+        base = self._dense(x)
+        if self.bias is not None:
+            base = base + self.bias
         if not names:
             return base
-        ids = ids.to(x.device, torch.long)
-        r = max(self.configs[n]["rank"] for n in names)
-        # Adapters padded to the largest rank; a last all-zero adapter stands for "none".
-        pad_a = [F.pad(self.lora_A[n], (0, 0, 0, r - self.configs[n]["rank"])) for n in names]
-        pad_b = [F.pad(self.lora_B[n], (0, r - self.configs[n]["rank"])) for n in names]
-        a = torch.stack(pad_a + [pad_a[0].new_zeros(r, self.in_features)])  # (N+1, r, in)
-        b = torch.stack(pad_b + [pad_b[0].new_zeros(self.out_features, r)])  # (N+1, out, r)
-        s = x.new_tensor([self.scaling[n] for n in names] + [0.0])[ids]  # (B,)
-        p = x.new_tensor([self.configs[n]["dropout"] for n in names] + [0.0])[ids]  # (B,)
-
-        x3 = x.reshape(bsz, -1, self.in_features)  # (B, T, in)
-        xd3 = x3
-        if self.training and any(self.configs[n]["dropout"] > 0 for n in names):
-            keep = (torch.rand_like(x3) >= p[:, None, None]).to(x3.dtype)
-            xd3 = x3 * keep / (1 - p)[:, None, None]
-        h = torch.bmm(xd3, a[ids].transpose(1, 2))  # (B, T, r)
-        lora = torch.bmm(h, b[ids].transpose(1, 2)) * s[:, None, None]  # (B, T, out)
-        lora = lora.view(*x.shape[:-1], self.out_features)
-        if not any(n in self.lora_magnitude for n in names):
+        xd = self.routed_input(x, ids)
+        lora = routed_lora(xd, ids, [(self.lora_A[n], self.lora_B[n], self.scaling[n]) for n in names])
+        if not self.lora_magnitude:
             return base + lora
-        ones = a.new_ones(self.out_features)
-        mags = [self.lora_magnitude[n] / self._weight_norm(n) if n in self.lora_magnitude else ones
-                for n in names]
-        mag = torch.stack(mags + [ones])[ids]  # (B, out)
-        mag = mag.view(bsz, *[1] * (x.dim() - 2), self.out_features)
-        xd = x if xd3 is x3 else xd3.view_as(x)
+        ones = x.new_ones(self.out_features)
+        mags = [self.lora_magnitude[n] / self._weight_norm(n) if n in self.lora_magnitude else ones for n in names]
+        mag = torch.stack(mags + [ones])[ids]  # (..., out)
         return self._dora_out(base, x, xd, mag, lora)
+
+    def routed_input(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The low-rank path's input: in training, each token dropped out at its adapter's rate."""
+        rates = [self.configs[n]["dropout"] for n in self.adapters]
+        if not (self.training and any(rates)):
+            return x
+        p = x.new_tensor(rates + [0.0])[none_outside(ids.to(x.device, torch.long), len(rates))]
+        keep = (torch.rand_like(x) >= p[..., None]).to(x.dtype)
+        return x * keep / (1 - p)[..., None]
 
     # --- merge -----------------------------------------------------------------------------
 
@@ -287,3 +290,40 @@ class LoRALinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, adapters={self.adapters}, "
                 f"active={self.active_adapter!r}, quantized={self.quantized}")
+
+
+def token_ids(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Routing ids for every token of x (..., in): per-token ids (x.shape[:-1]) as they are, per-
+    example ids (B,) repeated over each example's tokens."""
+    tokens = x.shape[:-1]
+    if ids.shape == tokens:
+        return ids
+    if ids.dim() == 1 and len(tokens) > 1 and ids.shape[0] == tokens[0]:
+        return ids.view(-1, *[1] * (len(tokens) - 1)).expand(tokens)
+    raise ValueError(f"adapter_ids must have shape ({tokens[0]},) (one per example) or {tuple(tokens)} "
+                     f"(one per token), got {tuple(ids.shape)}")
+
+
+def none_outside(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """ids with every index outside [0, n) (e.g. -1 on padding) set to n, "no adapter"."""
+    return torch.where((ids >= 0) & (ids < n), ids, n)
+
+
+def routed_lora(x: torch.Tensor, ids: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor, float]]
+                ) -> torch.Tensor:
+    """sum_i [ids == i] * s_i * (x A_i^T) B_i^T: each token through its adapter's low-rank path only.
+
+    x (..., in); ids (x.shape[:-1]) index `factors` [(A (r, in), B (out, r), s)], any other index
+    meaning none (0). The tokens are grouped by adapter (one sort, one host sync for the group
+    sizes), so the cost is one adapter's whatever the mix, and every adapter is in the graph: one
+    that no token uses gets a zero gradient (not None), so data-parallel ranks reduce the same
+    gradients whatever their tokens."""
+    n, out = len(factors), factors[0][1].shape[0]
+    flat, fid = x.reshape(-1, x.shape[-1]), none_outside(ids.reshape(-1), n)
+    order = torch.argsort(fid, stable=True)
+    counts = torch.bincount(fid, minlength=n + 1).tolist()
+    groups = flat.index_select(0, order).split(counts)
+    parts = [F.linear(F.linear(g, a), b) * s for g, (a, b, s) in zip(groups, factors)]
+    parts.append(parts[0].new_zeros(counts[n], out))
+    y = torch.cat(parts).index_select(0, torch.argsort(order))  # back in token order
+    return y.view(*x.shape[:-1], out)

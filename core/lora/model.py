@@ -213,9 +213,11 @@ def route_adapters(
     model: nn.Module, adapter_ids: torch.Tensor | Sequence[int] | Sequence[str],
     names: Sequence[str] | None = None,
 ) -> Iterator[None]:
-    """Inside, example b of every batch uses adapter names[adapter_ids[b]] (or the adapter
-    named by adapter_ids[b]); names defaults to adapter_names(model). Layers lacking that adapter
-    add nothing for that example. Model code needs no extra argument."""
+    """Inside, every example of a batch, or every token, uses its own adapter: adapter_ids holds
+    indices into `names` (default adapter_names(model)) or adapter names, one per example (B,), or
+    one per token (B, T) as a packed row needs (each document's tokens carry its adapter); -1 means
+    no adapter (the base alone, e.g. on padding). Layers lacking an adapter add nothing for its
+    tokens. Model code needs no extra argument."""
     names = list(names) if names is not None else adapter_names(model)
     if len(adapter_ids) and isinstance(adapter_ids[0], str):
         unknown = set(adapter_ids) - set(names)
@@ -223,14 +225,15 @@ def route_adapters(
             raise KeyError(f"unknown adapter(s) {sorted(unknown)}; adapters: {names}")
         adapter_ids = [names.index(n) for n in adapter_ids]
     ids = torch.as_tensor(adapter_ids, dtype=torch.long)
-    if ids.dim() != 1 or (ids.numel() and (ids.min() < 0 or ids.max() >= len(names))):
-        raise ValueError(f"adapter_ids must be a 1-D tensor of indices into {names}, got {ids}")
+    if ids.dim() not in (1, 2) or (ids.numel() and (ids.min() < -1 or ids.max() >= len(names))):
+        raise ValueError(f"adapter_ids must be a (B,) or (B, T) tensor of indices into {names} "
+                         f"(or -1), got {ids}")
     mods = [m for _, m in lora_modules(model)]
     prev = [m.routing for m in mods]
     for m in mods:
         local = {n: i for i, n in enumerate(m.adapters)}
-        lut = torch.tensor([local.get(n, len(local)) for n in names], device=ids.device)
-        m.routing = lut[ids]
+        lut = torch.tensor([local.get(n, len(local)) for n in names] + [len(local)], device=ids.device)
+        m.routing = lut[ids]  # -1 picks the last entry: none
     try:
         yield
     finally:

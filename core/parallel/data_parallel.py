@@ -13,14 +13,14 @@
   than FSDP's set_gradient_divide_factor: that is a PREMUL_SUM, which gloo lacks, and with torch
   2.13 it was not applied at all on a one-rank expert mesh, ep = dp_shard * cp.)
 - Activation checkpointing: each block's forward runs under non-reentrant torch.utils.checkpoint.
-  MoE routing statistics are side effects of forward, so the recompute restores them.
+  MoE routing statistics are side effects of forward, so the recompute restores them; LoRA adapter
+  routing is set around the forward only, so the recompute sets the forward's again.
 - torch.compile per block (torchtitan's granularity: one graph reused by every layer).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Literal
 
 import torch
@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
+from core.lora.layer import LoRALinear
 from core.model.moe import MoE
 from core.parallel.mesh import ParallelMesh
 
@@ -61,20 +62,34 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: ParallelMesh,
     return model
 
 
-class _RestoreMoEState:
-    """The recompute context of a checkpointed block: MoE side effects (token counts, aux loss,
-    router logits) stay those of the real forward."""
+class _ForwardState:
+    """What a checkpointed block's recompute must see as its forward did. MoE side effects of the
+    recompute (token counts, aux loss, router logits) are undone, so they stay those of the real
+    forward. LoRA adapter routing (core.lora.route_adapters) is set around the forward only and
+    gone by backward, so the forward's is captured and set again for the recompute."""
 
-    def __init__(self, moes: list[MoE]):
-        self.moes = moes
+    def __init__(self, moes: list[MoE], loras: list[LoRALinear]):
+        self.moes, self.loras = moes, loras
 
-    def __enter__(self):
-        self.saved = [(m.tokens_per_expert.clone(), m.aux_loss, m.last_router_logits) for m in self.moes]
+    @contextlib.contextmanager
+    def forward(self):
+        self.routing = [m.routing for m in self.loras]
+        yield
 
-    def __exit__(self, *exc):
-        for m, (counts, aux, logits) in zip(self.moes, self.saved):
-            m.tokens_per_expert.copy_(counts)
-            m.aux_loss, m.last_router_logits = aux, logits
+    @contextlib.contextmanager
+    def recompute(self):
+        moe = [(m.tokens_per_expert.clone(), m.aux_loss, m.last_router_logits) for m in self.moes]
+        routing = [m.routing for m in self.loras]
+        for m, r in zip(self.loras, self.routing):
+            m.routing = r
+        try:
+            yield
+        finally:
+            for m, (counts, aux, logits) in zip(self.moes, moe):
+                m.tokens_per_expert.copy_(counts)
+                m.aux_loss, m.last_router_logits = aux, logits
+            for m, r in zip(self.loras, routing):
+                m.routing = r
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
@@ -82,7 +97,12 @@ def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
     hooks unchanged), only its forward is wrapped."""
     for block in blocks:
         moes = [m for m in block.modules() if isinstance(m, MoE)]
-        contexts = functools.partial(lambda ms: (contextlib.nullcontext(), _RestoreMoEState(ms)), moes)
+        loras = [m for m in block.modules() if isinstance(m, LoRALinear)]
+
+        def contexts(_moes=moes, _loras=loras):
+            state = _ForwardState(_moes, _loras)
+            return state.forward(), state.recompute()
+
         block.checkpointed_forward = block.forward  # apply_compile may swap in a compiled version
 
         def forward(*args, _block=block, _contexts=contexts, **kwargs):

@@ -14,7 +14,8 @@ LoRA follows the base layer's split (torchtitan's rule): on a column layer A (r,
 replicated and B (out, r) split by rows; on a row layer A is split by columns and B replicated.
 A replicated adapter weight then sees only this rank's share of the gradient, which is
 all-reduced in the graph (copy_to_tp on the weight). The row layer adds its LoRA term before the
-output reduction, so the rank-r partial products need no communication of their own.
+output reduction, so the rank-r partial products need no communication of their own. Adapters
+routed per token (core.lora.route_adapters) split the same way, each token through its own.
 
 `replicate_over_tp` covers modules whose weights are replicated but whose inputs are split by
 sequence (RMSNorm under sequence parallelism, MoE on token shards): each rank's weight gradient
@@ -23,7 +24,7 @@ is partial, so forward uses copy_to_tp(weight) and backward all-reduces it.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from core.lora import LoRALinear
+from core.lora.layer import routed_lora, token_ids
 from core.parallel.mappings import copy_to_tp, enter_region, leave_region
 
 InputMode = Literal["region", "replicated", "sequence"]
@@ -67,9 +69,18 @@ def _active_lora(mod: nn.Module) -> str | None:
     """The adapter to apply in this forward, or None."""
     if not isinstance(mod, LoRALinear) or mod.disabled or mod.active_adapter is None:
         return None
-    if mod.routing is not None:
-        raise NotImplementedError("per-example adapter routing is not supported under tensor parallelism")
     return mod.active_adapter
+
+
+def _routed(mod: nn.Module) -> bool:
+    """Adapters routed per token (core.lora.route_adapters) rather than one active adapter."""
+    return isinstance(mod, LoRALinear) and not mod.disabled and mod.routing is not None and bool(mod.adapters)
+
+
+def _routed_lora(mod: LoRALinear, x: Tensor, factor: Callable[[str], tuple[Tensor, Tensor]]) -> Tensor:
+    """Each token's adapter term with this rank's (A, B) of each adapter, `factor(name)`."""
+    ids = token_ids(mod.routing, x)
+    return routed_lora(mod.routed_input(x, ids), ids, [(*factor(n), mod.scaling[n]) for n in mod.adapters])
 
 
 def _lora_input(mod: LoRALinear, name: str, x: Tensor) -> Tensor:
@@ -84,6 +95,9 @@ def _column_forward(mod: nn.Module, x: Tensor) -> Tensor:
     if mod.input_mode != "region":
         x = enter_region(x, mod.tp_group, mod.input_mode == "sequence")
     y = F.linear(x, local(mod.weight), local(mod.bias) if mod.bias is not None else None)
+    if _routed(mod):
+        return y + _routed_lora(mod, x, lambda n: (copy_to_tp(local(mod.lora_A[n]), mod.tp_group),
+                                                   local(mod.lora_B[n])))
     name = _active_lora(mod)
     if name is not None:
         a = copy_to_tp(local(mod.lora_A[name]), mod.tp_group)  # replicated: grads are partial
@@ -107,7 +121,7 @@ class ColumnParallelLoRALinear(LoRALinear):
 
     def forward(self, x: Tensor, adapter_ids: Tensor | None = None) -> Tensor:
         if adapter_ids is not None:
-            raise NotImplementedError("per-example adapter routing is not supported under tensor parallelism")
+            raise NotImplementedError("adapter_ids as an argument: under tensor parallelism route with core.lora.route_adapters")
         return _column_forward(self, x)
 
 
@@ -136,7 +150,9 @@ def column_parallel(mod: nn.Module, mesh: DeviceMesh, input_mode: InputMode = "r
 def _row_forward(mod: nn.Module, x: Tensor) -> Tensor:
     y = F.linear(x, local(mod.weight))  # (..., out), this rank's partial sum
     name = _active_lora(mod)
-    if name is not None:
+    if _routed(mod):  # a partial of each token's LoRA term, like the base's
+        y = y + _routed_lora(mod, x, lambda n: (local(mod.lora_A[n]), copy_to_tp(local(mod.lora_B[n]), mod.tp_group)))
+    elif name is not None:
         # x_r A_r^T is rank r's partial of x A^T; times B it stays a partial of the LoRA term,
         # so it rides the base layer's reduction. B is replicated: its gradient is partial.
         h = F.linear(_lora_input(mod, name, x), local(mod.lora_A[name]))
@@ -163,7 +179,7 @@ class RowParallelLoRALinear(LoRALinear):
 
     def forward(self, x: Tensor, adapter_ids: Tensor | None = None) -> Tensor:
         if adapter_ids is not None:
-            raise NotImplementedError("per-example adapter routing is not supported under tensor parallelism")
+            raise NotImplementedError("adapter_ids as an argument: under tensor parallelism route with core.lora.route_adapters")
         return _row_forward(self, x)
 
 

@@ -112,6 +112,35 @@ def test_matches_core_lora_module():
     assert_close(b.grad, grads[1], TOL[torch.float32], "dB", scaled=True)
 
 
+def test_routed_adapters_take_the_multi_adapter_kernel():
+    """core.lora's per-token routing (several adapters of different ranks, tokens of no adapter)
+    runs the multi-adapter kernel and matches its torch path (kernels mode "torch")."""
+    from core.lora import LoRALinear
+    from kernels.dispatch import kernels_mode
+
+    layer = LoRALinear(torch.nn.Linear(48, 24))
+    for name, rank in (("a", 4), ("b", 2), ("c", 8)):
+        layer.add_adapter(name, rank=rank, alpha=8.0)
+    with torch.no_grad():
+        for p in layer.lora_B.values():
+            p.normal_()
+    x = torch.randn(2, 9, 48)
+    layer.routing = torch.tensor([[0, 0, 1, 1, 1, 3, 2, 2, 0], [2, 2, 2, 2, 0, 0, 3, 3, 3]])  # 3: none
+    params = [layer.lora_A[n] for n in "abc"] + [layer.lora_B[n] for n in "abc"]
+    with kernels_mode("torch"):
+        expected = layer(x)
+        expected.sum().backward()
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    with launched(K.LAUNCHES, "lora_fwd", "lora_bwd"):
+        y = layer(x)
+        y.sum().backward()
+    assert_close(y, expected, TOL[torch.float32], "y", scaled=True)
+    for p, g in zip(params, grads):
+        assert_close(p.grad, g, TOL[torch.float32], "grad", scaled=True)
+
+
 def test_dispatch_rules():
     x, weight, bias, lora_a, lora_b = _inputs(torch.float32, 5, 20, 12, 4)
     before = K.LAUNCHES["lora_fwd"]
