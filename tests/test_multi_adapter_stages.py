@@ -5,7 +5,6 @@ resumes to the outputs of an uninterrupted one; FSDP over 2 gloo processes match
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -256,28 +255,14 @@ def test_several_adapters_under_torchrun_match_one_process(root, layout, paralle
     """2 gloo processes (FSDP dp_shard=2, or TP + sequence parallelism) against one process with
     as many micro-batches per step: every step's loss, each adapter's tokens and gradient norm, and
     each exported adapter agree."""
-    from tests.test_stage_parallel import close, steps_of, torchrun_sft
-    from stages import recipe, sft
+    from tests.test_stage_parallel import close, in_process, steps_of, torchrun_stage
 
     def cfg(name, accum, **kw):
         return sft_cfg(root, name, max_steps=3, optim={"lr": 1e-3, "warmup_steps": 1, "grad_accum_steps": accum},
                        tracking=TrackingConfig(enabled=False, log_every=1), checkpoint={"interval_steps": 0}, **kw)
 
-    records: list[dict] = []
-
-    class Run:
-        run_id = None
-
-        def log_metrics(self, metrics, step=None):
-            records.append({"step": step, **metrics})
-
-        def __getattr__(self, name):
-            return lambda *args, **kwargs: None
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(recipe, "stage_run", lambda *args, **kwargs: contextlib.nullcontext(Run()))
-        sft.run(cfg(f"one-{layout}", 2))
-    par_records = torchrun_sft(cfg(layout, grad_accum, parallel=parallel), root / f".work-{layout}")
+    records = in_process(cfg(f"one-{layout}", 2))
+    par_records = torchrun_stage(cfg(layout, grad_accum, parallel=parallel), root / f".work-{layout}")
     ref, par = steps_of(records), steps_of(par_records)
     assert sorted(par) == sorted(ref) == [1, 2, 3]
     for step in ref:
