@@ -22,9 +22,10 @@ from typing import Any
 
 from core.data.rows import prompt_text
 from core.model.config import ModelConfig
-from stages.common import (Dist, close_distributed, find_tokenizer_dir, load_model, load_tokenizer, parse_spec,
-                           progress, stage_run, start_distributed)
+from stages.common import (Dist, close_distributed, find_tokenizer_dir, load_model, load_tokenizer,
+                           materialize_model, parse_spec, progress, stage_run, start_distributed)
 from stages.config import EvalConfig
+from stages.training import sampling_unit
 from stages.evaluation import metrics as M
 from stages.evaluation.outputs import write_outputs
 from stages.evaluation.plan import EvalData, Plan, fail, group_of, load_eval_data, model_names, plan_metrics
@@ -46,13 +47,33 @@ class Model:
         self.tok, self.enc = tokenizers[tok_dir]
 
     def load(self, cfg: EvalConfig, d: Dist):
-        model, _ = load_model(ModelConfig(name_or_path=self.path, dtype=cfg.dtype), d.device, cfg.seed)
+        model = load_split(ModelConfig(name_or_path=self.path, dtype=cfg.dtype), cfg, d)
         check_vocab(model, self.enc, self.tok, self.path)
         return model.eval()
 
 
+def load_split(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
+    """An evaluated model (or the judge) on this rank: whole, or under parallel.tp > 1 split over
+    its tp group (built on meta, each rank reading its shards); the data-parallel ranks hold
+    replicas and score their own batches. The mesh is made with the first model."""
+    if cfg.parallel.tp == 1:
+        return load_model(model_cfg, d.device, cfg.seed)[0]
+    from core.parallel import ParallelDims, ParallelMesh, parallelize
+
+    model, _ = load_model(model_cfg, d.device, cfg.seed, meta=True)
+    try:
+        dims = ParallelDims.from_config(cfg.parallel, d.world, model.args)
+    except ValueError as e:
+        raise fail(f"parallel: {e} (model {model_cfg.name_or_path!r})") from None
+    if d.mesh is None:
+        d.mesh = ParallelMesh(dims, d.device.type)
+    parallelize(model.requires_grad_(False), cfg.parallel, d.mesh, data_parallel=False)
+    materialize_model(model, model_cfg, d.device, cfg.seed)
+    return model
+
+
 def load_judge(cfg: EvalConfig, tok, d: Dist):
-    judge, _ = load_model(ModelConfig(name_or_path=cfg.judge, dtype=cfg.dtype), d.device, cfg.seed)
+    judge = load_split(ModelConfig(name_or_path=cfg.judge, dtype=cfg.dtype), cfg, d)
     if tok.vocab_size > judge.args.vocab_size:
         raise fail(f"judge {cfg.judge!r} has {judge.args.vocab_size} token embeddings but its tokenizer "
                    f"({tok.origin}) has {tok.vocab_size} tokens; set `tokenizer` to the judge's own")
@@ -140,7 +161,7 @@ def _run(cfg: EvalConfig, d: Dist) -> dict:
     units = sum([len(data.prompts) * cfg.num_samples * plan.generates, len(data.completions) * plan.has("perplexity"),
                  len(data.pairs) * plan.has("preference_accuracy")]) * len(models)
     with stage_run(cfg, "evaluate", d.is_main) as tracker, \
-            progress(-(-units // d.world), "evaluate", d.is_main) as advance:  # rank 0's share
+            progress(-(-units // sampling_unit(d)[1]), "evaluate", d.is_main) as advance:  # rank 0's share
         records = {m.name: evaluate_model(m, cfg, data, plan, scorer, d, advance) for m in models}
         if judge_tok is not None and plan.has("win_rate"):
             judge = load_judge(cfg, judge_tok, d)

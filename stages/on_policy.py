@@ -61,7 +61,7 @@ from core.model.generate import SamplingParams, generate
 from core.objectives import token_logps
 from core.rewards import BUILTIN, VerifierError, load_verifier
 from stages.common import StageError, find_tokenizer_dir, load_model, load_tokenizer
-from stages.training import sampling, to_device
+from stages.training import sampling, sampling_unit, to_device
 
 log = logging.getLogger("posttrain.dpo")
 
@@ -310,14 +310,6 @@ def choose(p: Prompt, cands: list[list[int]], texts: list[str], scores: list[flo
             rec["skipped"] = f"too_long: {e.detail}"
             return None, rec
     return pair, rec
-
-
-def sampling_unit(d) -> tuple[int, int]:
-    """(index, count) of the groups of ranks that sample together: each rank alone, or under
-    tensor parallelism its tp group (tp is the mesh's innermost dimension), whose ranks decode
-    the same rows in lockstep."""
-    tp = d.mesh.dims.tp if d.mesh is not None else 1
-    return d.rank // tp, d.world // tp
 
 
 @torch.no_grad()

@@ -115,6 +115,14 @@ class DeviceLoader:
         self.loader.load_state_dict(s)
 
 
+def sampling_unit(d: Dist) -> tuple[int, int]:
+    """(index, count) of the groups of ranks that work on the same rows: each rank alone, or under
+    tensor parallelism its tp group (tp is the mesh's innermost dimension), whose ranks decode
+    and score the same rows in lockstep."""
+    tp = d.mesh.dims.tp if d.mesh is not None else 1
+    return d.rank // tp, d.world // tp
+
+
 @contextlib.contextmanager
 def sampling(model, cfg: ParallelConfig):
     """Around token-by-token generation from the policy. Under FSDP each unit is gathered once

@@ -299,10 +299,9 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
         fits = True
     except ValueError:
         fits = False
-    model_parallel = any(sizes[k] > 1 for k in ("tp", "pp", "cp", "ep"))
-    # what the stages do not run (yet): pipeline parallelism; TP sampling (the dpo node is on-policy)
-    refused = "pp" if sizes["pp"] > 1 else "tp" if node == "dpo" and sizes["tp"] > 1 else None
-    if node == "evaluate" and model_parallel:  # evaluation is data parallel only
+    model_parallel = any(sizes[k] > 1 for k in ("pp", "cp", "ep"))
+    refused = "pp" if sizes["pp"] > 1 else None  # what the training stages do not run (yet)
+    if node == "evaluate" and model_parallel:  # evaluation is data parallel, with tp inside a replica
         assert isinstance(got, ConfigError) and f"nodes.{node}: " in str(got) \
             and "evaluation splits the examples" in str(got), str(got)
     elif refused and (fits or not own_launcher):  # the stage's own check (before the world's, if both fail)

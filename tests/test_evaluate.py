@@ -429,9 +429,11 @@ def test_selection_and_names():
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path):
-    """Sampled generations, perplexity and pairs over 2 torchrun ranks (3 batches: ranks take 2 and 1)
-    equal one process's: the same samples, the same metrics (log-probs to float rounding)."""
+@pytest.mark.parametrize("parallel", [{}, {"tp": 2}], ids=["data_parallel", "tp"])
+def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path, parallel):
+    """Sampled generations, perplexity and pairs over 2 torchrun ranks (3 batches: ranks take 2 and 1;
+    or, under tp=2, both ranks every batch with the models split over them) equal one process's:
+    the same samples, the same metrics (log-probs to float rounding)."""
     from stages.evaluate import run
     from stages.launch import Launch
     from stages.launch.config import LauncherConfig
@@ -439,7 +441,8 @@ def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path
     common = dict(models=[str(tiny / "alpha"), str(tiny / "beta")], data=[str(user_data["file"])], batch_size=2,
                   temperature=1.0, num_samples=2, pass_k=[1, 2], max_new_tokens=NEW, tracking=OFF)
     one = run(EvalConfig(output_dir=str(tmp_path / "one"), **common))
-    spec = EvalConfig(output_dir=str(tmp_path / "two"), launcher=LauncherConfig(nproc_per_node=2), **common)
+    spec = EvalConfig(output_dir=str(tmp_path / "two"), launcher=LauncherConfig(nproc_per_node=2), parallel=parallel,
+                      **common)
     result = Launch("evaluate", spec, spec.launcher, workdir=tmp_path / ".launch").start().wait()
     assert result.ok, Path(result.log_file).read_text()[-3000:]
     two = json.loads((tmp_path / "two" / "manifest.json").read_text())

@@ -237,8 +237,8 @@ def test_evaluation_refuses_model_parallel_layouts():
     from core.config import ConfigError, load_config
     from stages.config import EvalConfig
 
-    with pytest.raises(ConfigError, match="parallel.tp=2: evaluation splits the examples"):
-        load_config(EvalConfig, overrides=["parallel.tp=2"])
+    with pytest.raises(ConfigError, match="parallel.pp=2: evaluation splits the examples"):
+        load_config(EvalConfig, overrides=["parallel.pp=2"])
 
 
 def test_parallel_backend_is_the_process_groups(monkeypatch):

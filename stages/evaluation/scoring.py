@@ -1,6 +1,7 @@
 """One model's (or the judge's) numbers on this rank's rows, and their gathering over ranks.
 
-Rows go to ranks in whole batches of `batch_size` (batch b to rank b % world), so a batch's rows,
+Rows go to ranks in whole batches of `batch_size` (batch b to rank b % world; under tensor
+parallelism to tp group b % (world / tp), whose ranks hold one model split), so a batch's rows,
 its padding and its sampling seed are the same whatever the number of ranks, and the gathered
 per-row records (hence the metrics) equal a single process's. Everything that can fail on a row
 (its prompt, its tokens, a model path) is checked by `encode` and `check_model` before any model
@@ -32,13 +33,16 @@ from stages.common import Dist, StageError, resolve_model_dir
 from stages.config import EvalConfig
 from stages.evaluation.metrics import GenRecord
 from stages.evaluation.plan import EvalData, Plan, fail
+from stages.training import sampling, sampling_unit
 
 log = logging.getLogger("posttrain.evaluate")
 
 
 def my_batches(n: int, size: int, d: Dist) -> list[range]:
-    """This rank's batches of row indices: whole batches, dealt round-robin."""
-    return [range(s, min(s + size, n)) for s in range(0, n, size)][d.rank :: d.world]
+    """This rank's batches of row indices: whole batches, dealt round-robin to the ranks (under
+    tensor parallelism to the tp groups, whose ranks run the same batches together)."""
+    unit, units = sampling_unit(d)
+    return [range(s, min(s + size, n)) for s in range(0, n, size)][unit::units]
 
 
 def sample_seed(seed: int, batch_start: int, repetition: int) -> int:
@@ -184,7 +188,9 @@ def generate_records(model, tok, enc: Encoded, data: EvalData, cfg: EvalConfig, 
         for k in range(cfg.num_samples):
             params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                     stop_token_ids=stop, seed=sample_seed(cfg.seed, batch.start, k))
-            for t, g in zip(texts, generate(model, [enc.prompt_ids[i] for i in batch], params, pad_id=pad)):
+            with sampling(model, cfg.parallel):
+                gens = generate(model, [enc.prompt_ids[i] for i in batch], params, pad_id=pad)
+            for t, g in zip(texts, gens):
                 t.append(tok.decode(g.tokens, skip_special_tokens=True))
         for i, t in zip(batch, texts):
             row = data.prompts[i]
