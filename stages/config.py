@@ -125,6 +125,9 @@ class TrainStageConfig(StageConfig):
         if p.pp > 1:
             raise ValueError(f"parallel.pp: pipeline parallelism (pp={p.pp}) does not run in the training stages "
                              "yet; set parallel.pp=1 and shard with FSDP, TP or CP instead")
+        if self.lora.enabled and self.lora.quantize_base and p.tp > 1:
+            raise ValueError(f"parallel.tp: an NF4 base (lora.quantize_base, QLoRA) cannot be split by tensor "
+                             f"parallelism (tp={p.tp}) yet; set parallel.tp=1 (FSDP, HSDP and DDP run)")
 
     @model_validator(mode="after")
     def _check_adapters(self) -> TrainStageConfig:

@@ -170,9 +170,9 @@ def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> Pa
         if cfg.model.compile:
             apply_compile(list(model.layers))
         return None
-    if cfg.lora.quantize_base and (dims.fsdp or dims.tp > 1):
-        raise StageError(f"lora.quantize_base={cfg.lora.quantize_base!r} (QLoRA) cannot be sharded (FSDP) or split "
-                         f"(tp); replicate it instead: parallel.dp_replicate={d.world}, parallel.tp=1")
+    if cfg.lora.quantize_base and dims.tp > 1:
+        raise StageError(f"lora.quantize_base={cfg.lora.quantize_base!r} (QLoRA): an NF4 base cannot be split by "
+                         f"tensor parallelism yet; set parallel.tp=1 (FSDP, HSDP and DDP run)")
     mesh = ParallelMesh(dims, d.device.type)
     parallelize(model, p, mesh, activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile)
     log.info("parallelized over %s", mesh)

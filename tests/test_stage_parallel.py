@@ -320,11 +320,24 @@ def test_offline_distillation_under_fsdp_matches_one_process(root):
         assert torch.equal(x["ids"], y["ids"]) and torch.allclose(x["logps"], y["logps"], atol=1e-5)
 
 
+@pytest.mark.slow
+def test_qlora_sft_under_fsdp_matches_one_process(root):
+    """QLoRA under FSDP: the adapters, the dense frozen weights (embedding, norms, head) and their
+    optimizer state sharded; the NF4 base, held in buffers, replicated on each rank."""
+    lora = {"enabled": True, "quantize_base": "nf4", "rank": 8}
+    ref = in_process(sft_config(root, "qlora-ref", lora=lora, optim=optim(2, lr=5e-3)))
+    cfg = sft_config(root, "qlora-fsdp", lora=lora, parallel={"dp_shard": 2}, optim=optim(1, lr=5e-3))
+    records = torchrun_stage(cfg, root / ".work-qlora-fsdp", 2)
+    assert_same_run(records, ref, root / "qlora-fsdp", root / "qlora-ref", ("val/loss_initial", "val/loss"))
+
+
 def test_unsupported_layouts_are_refused_when_the_config_loads():
     from core.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"^parallel\.pp: pipeline parallelism \(pp=2\)"):
         load_config(SFTConfig, overrides=["parallel.pp=2"])
+    with pytest.raises(ConfigError, match=r"^parallel\.tp: an NF4 base"):
+        load_config(SFTConfig, overrides=["parallel.tp=2", "lora.enabled=true", "lora.quantize_base=nf4"])
     with pytest.raises(ConfigError, match=r"^parallel\.tp: distillation mode='offline'"):
         load_config(DistillConfig, overrides=["parallel.tp=2", "mode=offline", "top_k=8"])
 
