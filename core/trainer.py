@@ -63,6 +63,8 @@ class Trainer:
         stats_group: dist.ProcessGroup | None = None,
         adapters: Sequence[str] = (),
         adapter_lr: Mapping[str, float] | None = None,
+        aux_group: dist.ProcessGroup | None = None,
+        aux_scale: float = 1.0,
     ):
         """model: already parallelized (core.parallel.parallelize) and on its device.
         dp_group: the data-parallel group over which token counts are summed: the ranks that see
@@ -72,7 +74,10 @@ class Trainer:
         stats_group: where MoE tokens_per_expert are summed; default dp_group (under tp, whose
         ranks route shards of the tokens: mesh.group("dp_cp_tp")).
         adapters: several LoRA adapters trained at once (module docstring), at optim.lr or their
-        `adapter_lr`; the objective then reports LossOutput.adapter_tokens."""
+        `adapter_lr`; the objective then reports LossOutput.adapter_tokens.
+        aux_group, aux_scale: under tp / cp each rank's MoE aux loss is its share of the whole
+        sequence's, pre-scaled by cp (core.parallel.expert.global_aux_loss): the logged
+        moe/aux_loss is the shares summed over aux_group (mesh.group("cp_tp")) / aux_scale (cp)."""
         self.model = model
         self.cfg = optim
         self.total_steps = total_steps
@@ -97,6 +102,7 @@ class Trainer:
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.grads_are_averaged = grads_are_averaged
         self.stats_group = stats_group if stats_group is not None else dp_group
+        self.aux_group, self.aux_scale = aux_group, aux_scale
         self.step = 0
         self.skipped_steps = 0
         self._reset_accum()
@@ -157,6 +163,10 @@ class Trainer:
         else:
             grad_norm, adapter_metrics = self._normalize_adapters(per_adapter, dp, max_norm)
         metrics = {k: sum(v) / len(v) for k, v in self._metrics.items()}
+        if self.aux_group is not None and "moe/aux_loss" in metrics:  # the whole sequences' value, as logged alone
+            aux = torch.tensor(metrics["moe/aux_loss"], dtype=torch.float64, device=self.device)
+            all_reduce(aux, group=self.aux_group, name="trainer/aux_loss")
+            metrics["moe/aux_loss"] = float(aux) / self.aux_scale
         metrics.update(loss=loss_sum / max(tokens, 1.0), grad_norm=grad_norm, tokens=tokens,
                        lr=self.scheduler.get_last_lr()[0], **adapter_metrics)
         bad = not math.isfinite(grad_norm) or not math.isfinite(metrics["loss"])

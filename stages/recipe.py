@@ -226,8 +226,10 @@ def build_trainer(s: Session, total_steps: int) -> Trainer:
     # Tokens are distinct across dp x cp ranks (tp ranks share them), and FSDP / DDP average
     # the gradients over exactly those ranks; MoE layers route a share of the tokens on each tp rank.
     dims = d.mesh.dims
+    shares = dict(aux_group=d.mesh.group("cp_tp"), aux_scale=float(dims.cp)) if dims.tp * dims.cp > 1 else {}
     return Trainer(s.model, cfg.optim, total_steps, autocast_dtype=autocast, dp_group=d.mesh.group("dp_cp"),
-                   grads_are_averaged=dims.fsdp or dims.ddp, stats_group=d.mesh.group("dp_cp_tp"), **adapters)
+                   grads_are_averaged=dims.fsdp or dims.ddp, stats_group=d.mesh.group("dp_cp_tp"), **adapters,
+                   **shares)
 
 
 def total_steps(cfg: TrainStageConfig, batches_per_epoch: int) -> int:

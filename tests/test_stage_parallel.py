@@ -242,6 +242,10 @@ def test_moe_sft_under_expert_parallelism_matches_one_process(root, moe_referenc
     cfg = sft_config(root, layout, model=MOE, parallel=parallel, optim=optim(grad_accum))
     records = torchrun_stage(cfg, root / f".work-{layout}", nproc)
     assert_same_run(records, moe_reference, root / layout, root / "moe-ref", ("val/loss_initial", "val/loss"))
+    if layout == "ep_tp":  # the logged balancing loss is the whole sequences', not a tp rank's share (1/2)
+        for step in range(1, STEPS + 1):  # (rank 0 logs its own micro-batch's; one process the mean of two)
+            ref, par = steps_of(moe_reference)[step], steps_of(records)[step]
+            assert par["moe/aux_loss"] == pytest.approx(ref["moe/aux_loss"], rel=0.1), (step, par, ref)
 
 
 @pytest.mark.slow
