@@ -81,8 +81,9 @@ def test_packed_row_routes_each_document_to_its_adapter(checkpointing):
         start += n
     got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     for n, p in ref.named_parameters():
-        if p.requires_grad:
-            torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+        if p.requires_grad:  # fp32, summed in another order (measured: <= 6e-7 of the largest entry, 2 threads)
+            scale = float(p.grad.abs().max())
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-5 * scale, msg=n)
 
 
 def test_routing_refuses_unknown_ids_and_restores():
