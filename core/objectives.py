@@ -215,3 +215,53 @@ def distill_objective(teacher: nn.Module, kind: str = "forward_kl", temperature:
                           batch["num_target_tokens"])
 
     return objective
+
+
+# ------------------------------------------------------------------------- pipeline parallelism
+
+def pipeline_token_loss(tp_group: dist.ProcessGroup | None) -> Callable:
+    """The last pipeline stage's loss of one microbatch: next-token cross entropy *summed* over
+    its target tokens (`target` = labels already shifted, see `pipelined_sft`), on the full logits
+    or on this rank's vocab slice of them under tensor parallelism."""
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if tp_group is not None:
+            return vocab_parallel_cross_entropy(logits, target, tp_group, reduction="sum", shift=False)
+        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    return loss_fn
+
+
+def pipeline_rows(batch: dict[str, Any], rows: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+    """(input_ids, position_ids, shifted labels, target tokens per row) of a padded (B, L) batch
+    as fixed (rows, seq_len) tensors, the shapes every pipeline step runs on: extra rows and
+    columns are padding (a document of their own, no targets)."""
+    ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
+    B, L = ids.shape
+    if B > rows or L > seq_len:
+        raise ValueError(f"a ({B}, {L}) batch does not fit the pipeline's ({rows}, {seq_len}) microbatches")
+    out_ids = ids.new_zeros(rows, seq_len)
+    out_pos = torch.arange(seq_len, device=ids.device).repeat(rows, 1)
+    target = labels.new_full((rows, seq_len), IGNORE_INDEX)
+    out_ids[:B, :L], out_pos[:B, :L] = ids, pos
+    out_pos[:B, L:] = torch.arange(seq_len - L, device=ids.device)
+    target[:B, :L - 1] = labels[:, 1:]  # the label of position t + 1 is position t's target
+    return out_ids, out_pos, target, (target != IGNORE_INDEX).sum(1)
+
+
+def pipelined_sft(pipe, rows: int, seq_len: int, pp_group: dist.ProcessGroup) -> Callable:
+    """sft_objective under pipeline parallelism, for the Trainer: each micro-batch (padded rows,
+    `pipeline_rows`) runs the schedule's forward and backward over its microbatches (forward only
+    under no_grad: validation), the loss a token sum on the last stage (pipeline_token_loss, the
+    schedule built with scale_grads=False), so the trainer's one division per step stays exact.
+    The loss is then shared over the stages (one scalar), so every rank reports it. MoE aux
+    losses are attached inside the stages, weighted by each microbatch's target tokens, as the
+    trainer weights model.aux_loss() by the micro-batch's."""
+    def objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
+        ids, pos, target, per_row = pipeline_rows(batch, rows, seq_len)
+        train = torch.is_grad_enabled()
+        weights = [float(n) for n in per_row.view(pipe.microbatches, -1).sum(1)]
+        losses = pipe.step(ids, pos, target=target, aux_weights=weights, backward=train)
+        loss = losses.sum().float() if losses is not None else torch.zeros((), device=ids.device)
+        dist.all_reduce(loss, group=pp_group)  # only the last stage had it
+        return LossOutput(loss, per_row.sum(), backward_done=train)
+    return objective

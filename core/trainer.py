@@ -45,6 +45,8 @@ class LossOutput:
     """Extra per-micro-batch numbers (already means), averaged over the step's micro-batches."""
     adapter_tokens: torch.Tensor | None = None
     """With several adapters: what `num_tokens` counts, per adapter (A,), in Trainer.adapters' order."""
+    backward_done: bool = False
+    """The objective ran the backward itself (a pipeline schedule); loss_sum is then detached."""
 
 
 Objective = Callable[[nn.Module, dict[str, Any]], LossOutput]
@@ -65,6 +67,7 @@ class Trainer:
         adapter_lr: Mapping[str, float] | None = None,
         aux_group: dist.ProcessGroup | None = None,
         aux_scale: float = 1.0,
+        pp_group: dist.ProcessGroup | None = None,
     ):
         """model: already parallelized (core.parallel.parallelize) and on its device.
         dp_group: the data-parallel group over which token counts are summed: the ranks that see
@@ -77,7 +80,11 @@ class Trainer:
         `adapter_lr`; the objective then reports LossOutput.adapter_tokens.
         aux_group, aux_scale: under tp / cp each rank's MoE aux loss is its share of the whole
         sequence's, pre-scaled by cp (core.parallel.expert.global_aux_loss): the logged
-        moe/aux_loss is the shares summed over aux_group (mesh.group("cp_tp")) / aux_scale (cp)."""
+        moe/aux_loss is the shares summed over aux_group (mesh.group("cp_tp")) / aux_scale (cp).
+        pp_group: under pipeline parallelism (model = this rank's stages, core.parallel.pipeline.
+        keep_own_stages) the objective runs the schedule's forward and backward itself
+        (core.objectives.pipelined_sft: LossOutput.backward_done, the MoE aux loss attached inside)
+        and the gradient norm is summed over the stages."""
         self.model = model
         self.cfg = optim
         self.total_steps = total_steps
@@ -103,6 +110,7 @@ class Trainer:
         self.grads_are_averaged = grads_are_averaged
         self.stats_group = stats_group if stats_group is not None else dp_group
         self.aux_group, self.aux_scale = aux_group, aux_scale
+        self.pp_group = pp_group
         self.step = 0
         self.skipped_steps = 0
         self._reset_accum()
@@ -124,10 +132,13 @@ class Trainer:
         with self._autocast():
             out = objective(self.model, batch)
             loss = out.loss_sum
-            aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
+            aux = None
+            if not out.backward_done and hasattr(self.model, "aux_loss"):
+                aux = self.model.aux_loss()
             if aux is not None:  # MoE balancing: a per-token mean, so weight it by the tokens
                 loss = loss + aux * out.num_tokens
-        loss.backward()
+        if not out.backward_done:
+            loss.backward()
         n = torch.as_tensor(out.num_tokens, dtype=torch.float64, device=self.device)
         self._tokens += n
         if self.adapters:
@@ -148,6 +159,9 @@ class Trainer:
         A step whose gradient norm or loss is not finite, or for whose metrics `skip_if` (e.g. a
         loss-spike screen) says True, is skipped (gradients dropped, schedule not advanced) and
         reported with `skipped=1`. The loss and norm are global, so every rank decides alike."""
+        pipe = getattr(self.model, "pipeline", None)
+        if pipe is not None:  # tied embeddings under pipeline parallelism: the two copies' gradients summed
+            pipe.reduce_tied_grads()
         totals = torch.cat([torch.stack([self._tokens, self._loss]), self._adapter_tokens])
         if self.dp_group is not None:
             all_reduce(totals, group=self.dp_group, name="trainer/tokens_loss")
@@ -184,8 +198,9 @@ class Trainer:
         return {**metrics, "skipped": 0.0}
 
     def _clip(self, params: list[nn.Parameter], max_norm: float) -> float:
-        if self.dtensors:  # gradients on several meshes (TP, FSDP), which torch's clip cannot mix
-            return float(clip_across_meshes(params, max_norm))
+        if self.dtensors or self.pp_group is not None:  # gradients on several meshes (TP, FSDP) or stages
+            pipe = getattr(self.model, "pipeline", None)
+            return float(clip_across_meshes(params, max_norm, self.pp_group, pipe.duplicates if pipe else ()))
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
 
     def _normalize_adapters(self, tokens: list[float], dp: float, max_norm: float) -> tuple[float, dict[str, float]]:

@@ -34,9 +34,12 @@ def load_sharded(path: str | Path, model: nn.Module, dtype: torch.dtype) -> dict
     args = model.args
     adapter = ADAPTERS[args.family]
     adapters = {id(p) for p in lora_parameters(model)}
+    # A tied head is the embedding, except on a pipeline's last stage, which holds a copy of it alone.
+    head_copy = args.tie_embeddings and getattr(model, "embed", None) is None
     expected = {k: t for k, t in model.state_dict(keep_vars=True).items()
                 if id(t) not in adapters and not k.endswith("router.expert_bias")
-                and not (k == "lm_head.weight" and args.tie_embeddings)}
+                and not (k == "lm_head.weight" and args.tie_embeddings and not head_copy)}
+    others = {n for n, _ in getattr(model, "whole_parameters", ())}  # a pipeline stage's part: the rest's names
     read: dict[str, int] = {}
     with ExitStack() as stack:
         files = {}  # HF name -> its open (memory-mapped) file
@@ -48,11 +51,14 @@ def load_sharded(path: str | Path, model: nn.Module, dtype: torch.dtype) -> dict
             files.update(dict.fromkeys(f.keys(), f))
         for name in files:
             mapped = adapter.to_ours(name)
+            if mapped is not None and mapped[0] in others and mapped[0] not in expected:
+                continue  # another pipeline stage's weight
             if mapped is None or mapped[0] not in expected:
                 if name == "lm_head.weight" and args.tie_embeddings:
                     continue  # some tied checkpoints store the head anyway
                 raise CheckpointError(f"{path}: unexpected tensor {name!r} for model_type {args.family!r}")
-        sources = {key: _sources(path, key, t, adapter, files) for key, t in expected.items()}
+        sources = {key: _sources(path, "embed.weight" if key == "lm_head.weight" and head_copy else key, t,
+                                 adapter, files) for key, t in expected.items()}
         with torch.no_grad():
             for key, t in expected.items():
                 local, block = local_part(t)

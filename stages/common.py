@@ -58,6 +58,7 @@ class Dist:
     local_rank: int
     device: torch.device
     mesh: Any = None  # core.parallel.ParallelMesh
+    pipeline: Any = None  # core.parallel.pipeline.Pipeline: the policy's schedule, under pipeline parallelism
 
     @property
     def is_main(self) -> bool:

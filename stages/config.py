@@ -10,7 +10,7 @@ TrackingConfig (core.tracking), LauncherConfig (stages.launch.config)."""
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -108,6 +108,7 @@ class TrainStageConfig(StageConfig):
 
     _model = field_validator("model", mode="before")(model_shorthand)
     _data = field_validator("data", mode="before")(data_shorthand)
+    pipeline_parallel: ClassVar[bool] = False  # whether the stage runs under parallel.pp > 1
 
     @model_validator(mode="after")
     def _check_train(self) -> TrainStageConfig:
@@ -122,12 +123,39 @@ class TrainStageConfig(StageConfig):
         """ValueError naming the key when this stage cannot run under cfg.parallel (the layouts
         core.parallel itself cannot take are checked against the world and the model)."""
         p = self.parallel
+        if p.pp > 1 and not self.pipeline_parallel:
+            raise ValueError(f"parallel.pp: pipeline parallelism (pp={p.pp}) runs in the SFT stage only yet, not in "
+                             "distillation, DPO or evaluation; set parallel.pp=1 and shard with FSDP, TP or CP instead")
         if p.pp > 1:
-            raise ValueError(f"parallel.pp: pipeline parallelism (pp={p.pp}) does not run in the training stages "
-                             "yet; set parallel.pp=1 and shard with FSDP, TP or CP instead")
+            self._check_pipeline()
         if self.lora.enabled and self.lora.quantize_base and p.tp > 1:
             raise ValueError(f"parallel.tp: an NF4 base (lora.quantize_base, QLoRA) cannot be split by tensor "
                              f"parallelism (tp={p.tp}) yet; set parallel.tp=1 (FSDP, HSDP and DDP run)")
+
+    def _check_pipeline(self) -> None:
+        """What pipeline parallelism needs: fixed (rows, tokens) microbatches, and dimensions it
+        does not combine with in the stages yet."""
+        p, data = self.parallel, self.data
+        if p.cp > 1:
+            raise ValueError(f"parallel.cp: context parallelism (cp={p.cp}) with pipeline parallelism (pp={p.pp}) "
+                             "does not run in the stages yet; use pp with FSDP / TP, or cp without pp")
+        if p.ep > 1:
+            raise ValueError(f"parallel.ep: mixture-of-experts models (ep={p.ep}) do not run under pipeline "
+                             f"parallelism (pp={p.pp}) in the stages yet; use EP x FSDP")
+        if self.lora.enabled and self.lora.quantize_base:
+            raise ValueError(f"lora.quantize_base: an NF4 base (QLoRA) does not run under pipeline parallelism "
+                             f"(pp={p.pp}) yet; use FSDP")
+        if data.batch_tokens is not None:
+            raise ValueError(f"data.batch_tokens: pipeline parallelism (pp={p.pp}) runs fixed microbatch shapes; "
+                             "set data.micro_batch_size (packed rows of data.max_seq_len tokens) instead")
+        microbatches = p.pp_microbatches or p.pp
+        if data.micro_batch_size % microbatches:
+            raise ValueError(f"data.micro_batch_size: {data.micro_batch_size} rows do not split into "
+                             f"{microbatches} pipeline microbatches (parallel.pp_microbatches, default pp); "
+                             "make it a multiple")
+        if p.tp > 1 and p.sequence_parallel and data.max_seq_len % p.tp:
+            raise ValueError(f"data.max_seq_len: {data.max_seq_len} tokens per row do not split over tp={p.tp} "
+                             "(sequence parallelism under pipeline parallelism); make it a multiple")
 
     @model_validator(mode="after")
     def _check_adapters(self) -> TrainStageConfig:
@@ -155,6 +183,7 @@ class TrainStageConfig(StageConfig):
 
 class SFTConfig(TrainStageConfig):
     data: DataConfig = Field(DataConfig(format="sft"), description="Prompt/response or chat data.")
+    pipeline_parallel: ClassVar[bool] = True
 
 
 class TeacherConfig(ModelConfig):

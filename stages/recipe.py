@@ -174,9 +174,38 @@ def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> Pa
         raise StageError(f"lora.quantize_base={cfg.lora.quantize_base!r} (QLoRA): an NF4 base cannot be split by "
                          f"tensor parallelism yet; set parallel.tp=1 (FSDP, HSDP and DDP run)")
     mesh = ParallelMesh(dims, d.device.type)
-    parallelize(model, p, mesh, activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile)
+    if dims.pp > 1:
+        parallelize_stages(model, cfg, mesh, d)
+    else:
+        parallelize(model, p, mesh, activation_checkpointing=cfg.model.activation_checkpointing,
+                    compile=cfg.model.compile)
     log.info("parallelized over %s", mesh)
     return mesh
+
+
+def parallelize_stages(model: Transformer, cfg: TrainStageConfig, mesh: ParallelMesh, d: Dist) -> None:
+    """Pipeline parallelism: split the policy (on meta) into cfg.parallel's stages, parallelize
+    each with the rest of the layout (TP, FSDP/DDP), and keep only this rank's stages in `model`
+    (core.parallel.pipeline.keep_own_stages; `model.pipeline` is the schedule). Every step runs
+    on micro-batches of data.micro_batch_size padded rows of data.max_seq_len tokens (the
+    schedule's fixed shapes; the config checked they divide), the loss a token sum normalized by
+    the trainer (core.objectives.pipelined_sft)."""
+    from core.objectives import pipeline_token_loss
+    from core.parallel import parallelize_pipeline
+    from core.parallel.pipeline import keep_own_stages
+
+    p = cfg.parallel
+    if model.args.moe is not None:
+        raise StageError(f"parallel.pp={p.pp} with a mixture-of-experts model: the padded rows a pipeline runs on "
+                         "would count in the load balancing; not supported in the stages yet (use EP x FSDP)")
+    microbatches = p.pp_microbatches or p.pp
+    loss_fn = pipeline_token_loss(mesh.group("tp") if mesh.dims.tp > 1 else None)
+    pipe = parallelize_pipeline(model, p, mesh, loss_fn, d.device, cfg.data.micro_batch_size // microbatches,
+                                cfg.data.max_seq_len, packed=True, scale_grads=False,
+                                activation_checkpointing=cfg.model.activation_checkpointing,
+                                compile=cfg.model.compile)
+    keep_own_stages(model, pipe)
+    d.pipeline = pipe
 
 
 def load_frozen(model_cfg: ModelConfig, layout: ParallelConfig, d: Dist, seed: int = 0,
@@ -227,9 +256,10 @@ def build_trainer(s: Session, total_steps: int) -> Trainer:
     # the gradients over exactly those ranks; MoE layers route a share of the tokens on each tp rank.
     dims = d.mesh.dims
     shares = dict(aux_group=d.mesh.group("cp_tp"), aux_scale=float(dims.cp)) if dims.tp * dims.cp > 1 else {}
+    pp = dict(pp_group=d.mesh.group("pp")) if dims.pp > 1 else {}  # the objective runs the schedule
     return Trainer(s.model, cfg.optim, total_steps, autocast_dtype=autocast, dp_group=d.mesh.group("dp_cp"),
                    grads_are_averaged=dims.fsdp or dims.ddp, stats_group=d.mesh.group("dp_cp_tp"), **adapters,
-                   **shares)
+                   **shares, **pp)
 
 
 def total_steps(cfg: TrainStageConfig, batches_per_epoch: int) -> int:

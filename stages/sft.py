@@ -1,5 +1,6 @@
 """Supervised fine-tuning: full or LoRA/QLoRA, on packed (or padded) batches, with periodic
-validation loss. The skeleton (stages/recipe.py) does the rest: resume from the stage's own
+validation loss; under every layout of core.parallel, pipeline parallelism included (the
+schedule then runs each micro-batch: core.objectives.pipelined_sft). The skeleton (stages/recipe.py) does the rest: resume from the stage's own
 checkpoints, throughput, HF/PEFT export and the manifest.
 
     torchrun --nproc-per-node 2 -m stages.sft --config spec.json
@@ -8,11 +9,11 @@ checkpoints, throughput, HF/PEFT export and the manifest.
 from __future__ import annotations
 
 from stages.config import SFTConfig
-from core.objectives import sft_objective
+from core.objectives import pipelined_sft, sft_objective
 from stages.adapters import adapter_routing, per_adapter_loss, routed, trained_adapters
 from stages.common import parse_spec
 from stages.recipe import Plan, Session, run_training
-from stages.training import DeviceLoader, doc_loader, mean_loss, sft_documents
+from stages.training import DeviceLoader, doc_loader, mean_loss, pipeline_of, sft_documents
 
 
 class SFT:
@@ -24,6 +25,9 @@ class SFT:
         train_docs = sft_documents(cfg.data.sources, "train", s.tok, cfg.data, routing)
         val_docs = sft_documents(cfg.data.sources, "validation", s.tok, cfg.data, routing)
         objective = routed(sft_objective, names) if names else sft_objective
+        pipe = pipeline_of(d)
+        if pipe is not None:  # the schedule runs forward and backward over its microbatches
+            objective = pipelined_sft(pipe, cfg.data.micro_batch_size, cfg.data.max_seq_len, d.mesh.group("pp"))
 
         def val_loss(docs) -> float:
             val = DeviceLoader(doc_loader(docs, cfg.data, d, epochs=1, evaluation=True), d.device)

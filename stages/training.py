@@ -69,11 +69,18 @@ def doc_loader(docs: list[Document], data: DataConfig, d: Dist, epochs: int | No
                evaluation: bool = False) -> StatefulLoader:
     """core.data.build_loader over documents: data.packing, micro_batch_size / batch_tokens.
     Training keeps ranks in lockstep (drop_last); evaluation sees every document once, and under a
-    mesh every rank runs as many forwards (a short rank's filler batch is marked `padding`)."""
+    mesh every rank runs as many forwards (a short rank's filler batch is marked `padding`).
+    Under pipeline parallelism the packed rows stay rows (padded (B, L)): the schedule runs on
+    fixed shapes (core.objectives.pipeline_rows)."""
     rank, world = d.data_shard
     lockstep = evaluation and d.mesh is not None
     return build_loader(docs, data, rank=rank, world_size=world, num_epochs=epochs, evaluation=evaluation,
-                        lockstep=lockstep)
+                        lockstep=lockstep, padding_free=pipeline_of(d) is None)
+
+
+def pipeline_of(d: Dist):
+    """The policy's pipeline schedule under pipeline parallelism (core.parallel.pipeline), else None."""
+    return d.pipeline if d.mesh is not None and d.mesh.dims.pp > 1 else None
 
 
 def pair_loader(pairs: list[PreferencePair], cfg: TrainStageConfig, d: Dist, epochs: int | None,
@@ -178,8 +185,8 @@ def export(model, tok, cfg: TrainStageConfig, out: Path, d: Dist) -> dict[str, s
     from registry.adapters import save_adapter
     from registry.hf import save_pretrained
 
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        model = gathered_copy(model, cfg)  # sharded (FSDP) or split (TP): None off rank 0
+    if any(isinstance(p, DTensor) for p in model.parameters()) or pipeline_of(d) is not None:
+        model = gathered_copy(model, cfg, d)  # sharded (FSDP), split (TP) or staged (PP): None off rank 0
     outputs: dict[str, str] = {}
     if d.is_main and trained_adapters(cfg):
         outputs.update(export_adapters(model, tok, cfg, out))  # each adapter on its own (stages/adapters.py)
@@ -201,11 +208,12 @@ def export(model, tok, cfg: TrainStageConfig, out: Path, d: Dist) -> dict[str, s
     return outputs
 
 
-def gathered_copy(model, cfg: TrainStageConfig) -> Transformer | None:
+def gathered_copy(model, cfg: TrainStageConfig, d: Dist) -> Transformer | None:
     """A plain copy of a parallelized policy on rank 0's CPU (None on other ranks), LoRA layers
     included, so the single-process export runs on it unchanged. Collective: the weights are
-    gathered one tensor at a time (core.parallel.full_state_dict)."""
-    state = full_state_dict(model)
+    gathered one tensor at a time (core.parallel.full_state_dict), the pipeline stages' parts
+    then meet on rank 0."""
+    state = full_state_dict(model, d.mesh.group("pp") if pipeline_of(d) is not None else None)
     if state is None:
         return None
     with torch.device("meta"):

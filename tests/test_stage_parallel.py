@@ -75,9 +75,9 @@ importlib.import_module(sys.argv[1]).main(sys.argv[2:])
 MODULES = {SFTConfig: "stages.sft", DPOConfig: "stages.dpo", DistillConfig: "stages.distill"}
 
 
-def sft_config(root: Path, name: str, **kw) -> SFTConfig:
-    return SFTConfig(output_dir=str(root / name), tracking=OFF,
-                     data={"sources": [str(root / "data")], "batch_tokens": 256, "max_seq_len": 128},
+def sft_config(root: Path, name: str, data: dict | None = None, **kw) -> SFTConfig:
+    data = {"sources": [str(root / "data")], "batch_tokens": 256, "max_seq_len": 128, **(data or {})}
+    return SFTConfig(output_dir=str(root / name), tracking=OFF, data=data,
                      max_steps=STEPS, eval_interval=0, checkpoint={"interval_steps": 0}, **kw)
 
 

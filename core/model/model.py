@@ -254,7 +254,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """(Re)compute non-parameter state: RoPE frequencies (fp32) and MoE routing buffers."""
-        device = self.embed.weight.device
+        device = next(self.parameters()).device  # (a pipeline stage's part may have no embedding)
         self.inv_freq = self._rope_frequencies()[0].to(device)
         for m in self.moe_layers():
             m.router.expert_bias = torch.zeros(m.args.num_experts, device=device)

@@ -100,8 +100,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh: ParallelMesh, *, ac
 
 def parallelize_pipeline(model: nn.Module, cfg: ParallelConfig, mesh: ParallelMesh, loss_fn: Callable,
                          device: torch.device, microbatch_size: int, seq_len: int, packed: bool = False,
-                         **kwargs) -> Pipeline:
+                         scale_grads: bool = True, **kwargs) -> Pipeline:
     """Split into this rank's pipeline stages, `parallelize` each (kwargs as `parallelize`), and
-    build the schedule for microbatches of (microbatch_size, seq_len) tokens."""
+    build the schedule for microbatches of (microbatch_size, seq_len) tokens (scale_grads: as
+    build_pipeline)."""
     return build_pipeline(model, cfg, mesh, loss_fn, device, microbatch_size, seq_len, packed,
-                          lambda m: parallelize(m, cfg, mesh, **kwargs))
+                          lambda m: parallelize(m, cfg, mesh, **kwargs), scale_grads=scale_grads)

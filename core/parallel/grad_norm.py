@@ -42,10 +42,14 @@ def grad_norm(params: Iterable[Tensor], pp_group: dist.ProcessGroup | None = Non
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None) -> Tensor:
-    """Scale gradients so their global norm is at most `max_norm`; returns the norm before."""
+def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+                    counted_elsewhere: Iterable[Tensor] = ()) -> Tensor:
+    """Scale gradients so their global norm is at most `max_norm`; returns the norm before.
+    counted_elsewhere: parameters whose gradient another pipeline rank holds too (a tied head's
+    copy of the embedding), scaled but left out of the norm."""
     params = [p for p in params if p.grad is not None]
-    total = grad_norm(params, pp_group)
+    skip = {id(p) for p in counted_elsewhere}
+    total = grad_norm([p for p in params if id(p) not in skip], pp_group)
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:
         p.grad.mul_(scale.to(p.grad.device) if not isinstance(p.grad, DTensor) else scale.item())

@@ -44,9 +44,12 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     share the embedding with the head again (to_empty unties plain tensors; DTensors stay one
     parameter) and compute the non-persistent buffers (RoPE frequencies, MoE state)."""
     model.to_empty(device=device)
-    if model.args.tie_embeddings and model.lm_head.weight is not model.embed.weight:
+    staged = getattr(model, "pipeline", None) is not None  # tied ends on two ranks: copies (build_pipeline)
+    if model.args.tie_embeddings and not staged and model.lm_head.weight is not model.embed.weight:
         model.tie_weights()
     model.init_buffers()
+    if getattr(model, "pipeline", None) is not None:  # its stage modules' RoPE buffers, copied on meta
+        model.pipeline.init_buffers(next(model.parameters()).device)
 
 
 @torch.no_grad()
@@ -57,10 +60,16 @@ def init_weights(model: nn.Module, seed: int | None) -> None:
     init_adapters'."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     adapters = {id(p) for p in lora_parameters(model)}
-    for name, p in model.named_parameters():
-        if id(p) not in adapters:
-            local, block = local_part(p)
-            local.copy_(model.initial_value(name, p.shape, gen)[block])
+    own = {name: p for name, p in model.named_parameters() if id(p) not in adapters}
+    # A pipeline stage's part (core.parallel.pipeline.keep_own_stages) draws the whole model's values
+    # in order, keeping its own.
+    for name, shape in getattr(model, "whole_parameters", None) or [(n, p.shape) for n, p in own.items()]:
+        value = model.initial_value(name, shape, gen)
+        # tied embeddings split by a pipeline: the last stage's head is a copy of the embedding
+        for key in [name] + (["lm_head.weight"] if name == "embed.weight" and model.args.tie_embeddings else []):
+            if key in own:
+                local, block = local_part(own[key])
+                local.copy_(value[block])
 
 
 @torch.no_grad()
@@ -71,13 +80,24 @@ def init_adapters(model: nn.Module) -> None:
     Right after apply_lora on `meta` (which draws nothing) the RNG is where apply_lora on the
     loaded model would find it, so the values are the same. DoRA magnitudes and PiSSA read the
     base weights: those adapters are made on the loaded model instead (stages.common.load_on_meta)."""
-    for _, mod in lora_modules(model):
+    mods = dict(lora_modules(model))
+    for mod in mods.values():
         for name in mod.adapters:
             if name in mod.lora_magnitude or mod.configs[name]["init_lora_weights"] == "pissa":
                 raise ValueError(f"adapter {name!r}: DoRA / PiSSA initial values depend on the base weights; "
                                  "apply them to the loaded model, not on the meta device")
-            a, b = mod.lora_A[name], mod.lora_B[name]
-            local, block = local_part(a)
-            whole = torch.empty(a.shape, dtype=a.dtype, device=local.device)
-            local.copy_(init_lora_a(whole, mod.configs[name]["init_lora_weights"])[block])
-            local_part(b)[0].zero_()
+    order = getattr(model, "whole_adapters", None)  # a pipeline stage's part: the whole model's draws
+    if order is None:
+        order = [(m, name, mod.lora_A[name].shape, mod.configs[name]["init_lora_weights"])
+                 for m, mod in mods.items() for name in mod.adapters]
+    if not order:
+        return
+    some = next((local_part(mod.lora_A[n])[0] for mod in mods.values() for n in mod.adapters), None)
+    for m, name, shape, init in order:
+        mod = mods.get(m)
+        a = mod.lora_A[name] if mod is not None else None
+        local, block = local_part(a) if a is not None else (some, None)
+        whole = init_lora_a(torch.empty(shape, dtype=local.dtype, device=local.device), init)
+        if a is not None:
+            local.copy_(whole[block])
+            local_part(mod.lora_B[name])[0].zero_()

@@ -64,9 +64,6 @@ class ParallelDims:
         if self.pp > 1 and m.num_layers < stages:
             raise ValueError(f"pp={self.pp} x pp_stages_per_rank={stages_per_rank} = {stages} stages, "
                              f"but the model has only num_layers={m.num_layers}")
-        if self.pp > 1 and m.tie_embeddings:
-            raise ValueError(f"pp={self.pp} with tie_embeddings: the embedding (first stage) and lm_head (last "
-                             "stage) would share one weight across stages, which is not supported yet; use pp=1")
         for name, value, n, why in checks:
             if value % n:
                 raise ValueError(f"tp={n} does not divide the model's {name}={value}: {why}")

@@ -6,11 +6,18 @@ embedding on the first stage and the final norm + lm_head on the last. Each stag
 and masks from the positions it is given (cheap, and nothing but hidden states cross stages).
 With the interleaved schedule rank r holds stages r, r + pp, r + 2 pp, ... (looped placement).
 
-The loss runs on the last stage, per microbatch (`loss_fn(logits, target)`, a mean); the schedule
-scales gradients by 1/microbatches, so a step equals one full-batch step. MoE load-balancing
-losses live on whichever stage holds the layer: `_AttachAux` ties each block's aux loss to its
-output, so the backward that reaches the block also adds the aux gradient (Megatron's
-MoEAuxLossAutoScaler) and the trainer must not add model.aux_loss() again.
+The loss runs on the last stage, per microbatch (`loss_fn(logits, target)`): a mean, which the
+schedule scales by 1/microbatches so a step equals one full-batch step; or, with
+`scale_grads=False`, a token *sum* the trainer normalizes once per step (the training stages:
+core.objectives.pipelined_sft). MoE load-balancing losses live on whichever stage holds the
+layer: `_AttachAux` ties each block's aux loss to its output, so the backward that reaches the
+block also adds the aux gradient (Megatron's MoEAuxLossAutoScaler), weighted per microbatch
+(`aux_weights`: 1, or its token count when the loss is a sum), and the trainer must not add
+model.aux_loss() again.
+
+A training stage builds the whole model on the meta device, splits it here, and keeps only this
+rank's part (`keep_own_stages`): the model object then holds its stages' modules under their
+own names, so checkpoints, optimizers and exports see this rank's share of the one model.
 """
 
 from __future__ import annotations
@@ -25,24 +32,24 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from core.parallel.config import ParallelConfig
 from core.model.model import Transformer, attention_masks
 from core.model.moe import MoE
-from core.model.rope import rope_cos_sin
+from core.model.rope import rope_cos_sin, rope_frequencies
 from core.parallel.mesh import ParallelMesh
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
 class _AttachAux(torch.autograd.Function):
-    """Identity on x forward; backward also seeds d(aux) = 1, so aux's gradient flows."""
+    """Identity on x forward; backward also seeds d(aux) = weight, so aux's gradient flows."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, aux: Tensor) -> Tensor:
-        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+    def forward(ctx, x: Tensor, aux: Tensor, weight: float) -> Tensor:
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device, weight)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        shape, dtype, device = ctx.aux_meta
-        return g, torch.ones(shape, dtype=dtype, device=device)
+        shape, dtype, device, weight = ctx.aux_meta
+        return g, torch.full(shape, weight, dtype=dtype, device=device), None
 
 
 class PipelineStageModule(nn.Module):
@@ -62,6 +69,15 @@ class PipelineStageModule(nn.Module):
         self.cp_state: dict | None = None
         self.cp_group = None
         self.aux_loss_sum = torch.zeros(())  # detached, summed over this step's microbatches (logging)
+        self.aux_weights: list[float] | None = None  # per microbatch of the step (None: 1 each)
+        self.forwards = 0  # this step's forwards so far: the schedules run a stage's microbatches in order
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device) -> None:
+        """RoPE frequencies again (a stage split from a model on `meta` copied meta ones)."""
+        a = self.args
+        self.inv_freq = rope_frequencies(a.head_dim, a.rope_theta, a.rope_scaling, a.max_position_embeddings)[0].to(
+            device)
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
@@ -82,6 +98,8 @@ class PipelineStageModule(nn.Module):
 
             self.cp_state["batch"] = cp_batch(position_ids, T, self.cp_group)
         masks = attention_masks(self.args, [int(name) for name in self.layers], position_ids, T, device=x.device)
+        weight = 1.0 if self.aux_weights is None else self.aux_weights[self.forwards]
+        self.forwards += 1
         for name, layer in self.layers.items():
             x = layer(x, cos, sin, masks[self.args.window_of(int(name))])
             aux = [m.aux_loss * m.args.aux_loss_coef for m in layer.modules()
@@ -89,7 +107,7 @@ class PipelineStageModule(nn.Module):
             if aux and torch.is_grad_enabled():
                 aux = torch.stack(aux).sum()
                 self.aux_loss_sum = self.aux_loss_sum + aux.detach()
-                x = _AttachAux.apply(x, aux)
+                x = _AttachAux.apply(x, aux, weight)
         if self.lm_head is not None:
             return self.lm_head(self.norm(x))
         x = x.contiguous()  # sent as is to the next stage (a sequence-split x may be a strided view)
@@ -117,22 +135,61 @@ class Pipeline:
     is_last: bool
 
     microbatches: int = 1
+    tied_group: object = None  # tied embeddings: the first and last pipeline ranks, whose copies' gradients are summed
 
-    def step(self, *inputs: Tensor, target: Tensor | None = None) -> Tensor | None:
-        """One forward + backward over all microbatches. inputs go in on the first stage (input_ids
-        [, position_ids]), target on the last; returns the mean microbatch loss on the last stage
-        (without MoE aux losses: see `aux_loss`)."""
+    @property
+    def tied(self) -> list:
+        """This rank's copies of tied embeddings (the embedding and/or the head), looked up now:
+        materializing a model built on meta replaces its parameters."""
+        if self.tied_group is None:
+            return []
+        return [m.embed.weight for m in self.modules if m.embed is not None] + \
+            [m.lm_head.weight for m in self.modules if m.lm_head is not None]
+
+    def reduce_tied_grads(self) -> None:
+        """Tied embeddings: sum the embedding's and the head copy's gradients (first and last
+        stage), as the one shared weight gets on one process; then both take the same step.
+        Once per optimizer step, after the last micro-batch's backward. Collective over the ends."""
+        import torch.distributed as dist
+
+        if self.tied_group is None or not self.tied:  # middle stages hold neither end
+            return
+        (w,) = self.tied  # looped placement: the ends are on different ranks
+        if not w.requires_grad:  # frozen (LoRA): nothing to keep equal
+            return
+        g = w.grad if w.grad is not None else torch.zeros_like(w)
+        w.grad = g
+        dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=self.tied_group)
+
+    @property
+    def duplicates(self) -> list:
+        """Parameters whose gradient another rank also holds (the last stage's head copy of tied
+        embeddings): counted once in the global gradient norm."""
+        return [m.lm_head.weight for m in self.modules if m.lm_head is not None] if self.tied_group is not None \
+            else []
+
+    def step(self, *inputs: Tensor, target: Tensor | None = None, aux_weights: list[float] | None = None,
+             backward: bool = True) -> Tensor | None:
+        """One forward + backward over all microbatches (forward only: backward=False). inputs go
+        in on the first stage (input_ids [, position_ids]), target on the last; returns the
+        microbatch losses (M,) on the last stage, None elsewhere (without MoE aux losses: see
+        `aux_loss`). aux_weights: what each microbatch's aux-loss gradient is scaled by."""
         for m in self.modules:
             m.aux_loss_sum = torch.zeros(())
+            m.aux_weights, m.forwards = aux_weights, 0
         losses: list[Tensor] = []
-        self.schedule.step(*(inputs if self.is_first else ()), target=target if self.is_last else None,
-                           losses=losses)
-        return torch.stack(losses).mean() if self.is_last else None
+        run = self.schedule.step if backward else self.schedule.eval
+        run(*(inputs if self.is_first else ()), target=target if self.is_last else None, losses=losses)
+        return torch.stack([loss.detach() for loss in losses]) if self.is_last else None
 
     def aux_loss(self) -> Tensor:
         """This rank's stages' share of the last step's MoE aux loss (microbatch mean, detached);
         summed over the pp ranks it is what model.aux_loss() adds to the loss without pipelining."""
         return sum(m.aux_loss_sum for m in self.modules) / self.microbatches
+
+    def init_buffers(self, device: torch.device) -> None:
+        for m in self.modules:
+            m.init_buffers(device)
 
 
 def _stage_metas(mod: PipelineStageModule, mb: int, seq: int, packed: bool, dtype: torch.dtype, tp: int, dev):
@@ -153,15 +210,21 @@ def _stage_metas(mod: PipelineStageModule, mb: int, seq: int, packed: bool, dtyp
 
 def build_pipeline(model: Transformer, cfg: ParallelConfig, mesh: ParallelMesh, loss_fn: Callable,
                    device: torch.device, microbatch_size: int, seq_len: int, packed: bool = False,
-                   parallelize_stage: Callable[[nn.Module], nn.Module] | None = None) -> Pipeline:
+                   parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
+                   scale_grads: bool = True) -> Pipeline:
     """Split `model` into this rank's stages, parallelize each (TP/EP/CP/FSDP via
     `parallelize_stage`), and wrap them in the configured schedule. Every step must feed
     microbatches of `microbatch_size` sequences of `seq_len` tokens (this rank's context-parallel
-    shard), with position_ids iff `packed`."""
+    shard), with position_ids iff `packed`. scale_grads=False: the loss is a sum the caller
+    normalizes (the schedule then leaves gradients as the microbatches' sum). A model with tied
+    embeddings gets an lm_head copy of the embedding on the last stage, which the caller keeps
+    equal: Pipeline.reduce_tied_grads before every optimizer step, and the head copy left out of
+    the gradient norm (Pipeline.duplicates; core.trainer.Trainer does both)."""
     pp, rank = mesh.size("pp"), mesh.local_rank("pp")
-    if model.args.tie_embeddings and pp > 1:
-        raise ValueError("tie_embeddings with pp > 1 puts one weight on the first and last stages; "
-                         "not supported yet: untie it (tie_embeddings=False) or use pp=1")
+    tied = model.args.tie_embeddings and pp > 1
+    if tied:  # a copy on each end, kept equal: their gradients are summed (Pipeline.reduce_tied_grads)
+        model.lm_head.weight = nn.Parameter(model.embed.weight.detach().clone(),
+                                            requires_grad=model.embed.weight.requires_grad)
     v = cfg.pp_stages_per_rank
     n = pp * v
     parts = split_layers(model.args.num_layers, n)
@@ -178,5 +241,52 @@ def build_pipeline(model: Transformer, cfg: ParallelConfig, mesh: ParallelMesh, 
                                     input_grads=grads(inputs), output_grads=grads(outputs), group=mesh.group("pp")))
     microbatches = cfg.pp_microbatches or pp
     cls = SCHEDULES[cfg.pp_schedule]
-    schedule = cls(stages if cfg.pp_schedule == "interleaved_1f1b" else stages[0], microbatches, loss_fn=loss_fn)
-    return Pipeline(schedule, stages, modules, is_first=0 in ids, is_last=n - 1 in ids, microbatches=microbatches)
+    schedule = cls(stages if cfg.pp_schedule == "interleaved_1f1b" else stages[0], microbatches, loss_fn=loss_fn,
+                   scale_grads=scale_grads)
+    pipe = Pipeline(schedule, stages, modules, is_first=0 in ids, is_last=n - 1 in ids, microbatches=microbatches)
+    if tied:
+        pipe.tied_group = _ends_group(mesh)
+    return pipe
+
+
+def _ends_group(mesh: ParallelMesh):
+    """The group of this rank's first and last pipeline ranks (same dp / cp / tp coordinates):
+    every rank takes part in making every such group, as torch.distributed requires."""
+    import torch.distributed as dist
+
+    pp = mesh.size("pp")
+    if pp == 2:
+        return mesh.group("pp")
+    grid = mesh.world.mesh.reshape(pp, -1)  # (pp, every other coordinate)
+    mine = None
+    for column in grid.t().tolist():
+        group = dist.new_group([column[0], column[-1]])
+        if dist.get_rank() in (column[0], column[-1]):
+            mine = group
+    return mine
+
+
+def keep_own_stages(model: Transformer, pipe: Pipeline) -> None:
+    """Drop from `model`, in place, every part this rank's stages do not hold: the other stages'
+    blocks become empty modules (the kept ones keep their index, so their names are the whole
+    model's), the embedding / final norm / head go where their stage is not this rank's. The
+    model's parameters, state dict and optimizer are then exactly this rank's share. The whole
+    model's parameter order is kept in `model.whole_parameters` ((name, shape), adapters apart)
+    and `model.whole_adapters` ((module name, adapter, A's shape, init)), so a random init draws
+    the same values as on one process (core.parallel.materialize)."""
+    from core.lora.model import lora_modules, lora_parameters
+
+    adapters = {id(p) for p in lora_parameters(model)}
+    tied = model.args.tie_embeddings  # the head is a copy of the embedding (build_pipeline), not drawn
+    model.whole_parameters = [(n, p.shape) for n, p in model.named_parameters()
+                              if id(p) not in adapters and not (tied and n == "lm_head.weight")]
+    model.whole_adapters = [(name, a, mod.lora_A[a].shape, mod.configs[a]["init_lora_weights"])
+                            for name, mod in lora_modules(model) for a in mod.adapters]
+    kept = {id(m) for stage in pipe.modules for m in stage.modules()}
+    for i, layer in enumerate(model.layers):
+        if id(layer) not in kept:
+            model.layers[i] = nn.Module()
+    for name in ("embed", "norm", "lm_head"):
+        if id(getattr(model, name)) not in kept:
+            setattr(model, name, None)
+    model.pipeline = pipe

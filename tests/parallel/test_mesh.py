@@ -23,7 +23,6 @@ DENSE, MOE = get_preset("debug"), get_preset("debug-moe")
     (dict(ep=8), 8, MOE, "does not divide the model's n_experts=4"),
     (dict(ep=4, tp=2), 4, MOE, "ep=4 must divide dp_shard\\*cp"),
     (dict(pp=4), 4, DENSE, "only num_layers=2"),
-    (dict(pp=2), 2, DENSE, "tie_embeddings"),
     (dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2), 2, get_preset("debug", num_layers=3),
      "4 stages"),
     (dict(tp=2), 2, get_preset("debug", vocab_size=511), "vocab_size=511"),
