@@ -7,7 +7,8 @@ Checkpoints are tiny HF models made with transformers: Llama-shaped (tied embedd
 RoPE) and Qwen2-shaped (qkv bias, untied, yarn RoPE), vocab 98 so tp=2 splits it; plus the
 `debug` preset (random init from the seed). Layouts on forked gloo ranks: FSDP (dp_shard=2),
 TP + SP (tp=2), FSDP x TP (2 x 2: 49 vocab rows per tp rank split 25 / 24 by FSDP, torch's
-uneven chunks), DDP (dp_replicate=2); and one process, for every family.
+uneven chunks), DDP (dp_replicate=2), PP (pp=2: each rank its stage's blocks only); and one process,
+for every family.
 """
 
 from __future__ import annotations
@@ -87,22 +88,29 @@ def _load_everything(root: str, parallel: dict) -> dict:
     out: dict = {"differ": {}, "gathered_differ": {}, "loss": 0.0, "read": {}}
     for source, lora in CASES.items():
         path = source if source == "debug" else f"{root}/{source}"
+        if parallel.get("pp", 1) > 1:  # several adapters do not run under pp (routing): one, drawn the same way
+            lora = {k: v for k, v in lora.items() if k != "adapter_names"}
         for with_lora in (None, lora):
             cfg = stage_config(path, parallel, with_lora)
             model = new_path(cfg, d)
             ref = old_path(cfg)
+            pp = d.mesh is not None and d.mesh.dims.pp > 1
             case = f"{source}{'+lora' if with_lora else ''}"
             want = ref.state_dict()
             mine = {k: local_part(t) for k, t in model.state_dict().items()}
-            out["differ"][case] = sorted(set(want) ^ set(mine)) + [
+            # a pipeline stage holds its blocks (and the tied head's copy of the embedding) only
+            odd = set(mine) - set(want) if pp else set(want) ^ set(mine)
+            out["differ"][case] = sorted(odd) + [
                 k for k, (t, block) in mine.items() if k in want and not torch.equal(t, want[k][block])]
             if not torch.equal(model.inv_freq, ref.inv_freq):
                 out["differ"][case].append("inv_freq")
-            state = full_state_dict(model)
+            if pp and not all(torch.equal(m.inv_freq, ref.inv_freq) for m in d.pipeline.modules):
+                out["differ"][case].append("stage inv_freq")
+            state = full_state_dict(model, d.mesh.group("pp") if pp else None)
             if d.rank == 0:
                 out["gathered_differ"][case] = sorted(set(want) ^ set(state)) + [
                     k for k in want if k in state and not torch.equal(state[k], want[k])]
-            if d.mesh is not None:  # the sharded model computes with what it loaded
+            if d.mesh is not None and not pp:  # the sharded model computes with what it loaded
                 ids, _ = batch(model.args)
                 _, loss = par_loss_fn(d.mesh, ids)(model)
                 want_loss = dp_reference_loss(ids, None, d.mesh.size("dp"))(ref)
@@ -126,6 +134,7 @@ LAYOUTS = {
     "tp_sp": ({"tp": 2, "sequence_parallel": True}, 2),
     "fsdp_tp": ({"dp_shard": 2, "tp": 2}, 4),
     "ddp": ({"dp_replicate": 2, "dp_shard": 1}, 2),
+    "pp": ({"pp": 2}, 2),  # a block per rank; a tied head is the last stage's copy of the embedding
 }
 
 

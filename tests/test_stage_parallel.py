@@ -9,8 +9,8 @@ global batches one process sees with grad_accum_steps=2; tp and cp ranks share t
 The step's token count is the check that the batches are the same.
 
 The matrix covers each stage and each dimension once, and the named combinations once each:
-SFT under FSDP, TP+SP, CP, CP x TP and EP x FSDP / EP x TP (an MoE model), and a killed and
-resumed run under FSDP and TP bitwise equal to the uninterrupted one; DPO under CP x FSDP, and
+SFT under FSDP, TP+SP, CP x TP, EP x FSDP / EP x TP (an MoE model) and PP, PP x FSDP, PP x TP
+(LoRA), and a killed and resumed run under FSDP, TP and PP bitwise equal to the uninterrupted one; DPO under CP x FSDP, and
 on-policy under CP; online distillation with the teacher laid out as the student under CP and
 TP, and with a layout of its own (sharded while the student replicates); offline distillation
 under FSDP (the teacher's cache scored by both ranks).
@@ -194,7 +194,6 @@ def assert_same_run(records: list[dict], ref_records: list[dict], out: Path, ref
 @pytest.mark.parametrize("layout,parallel,grad_accum,nproc", [
     ("fsdp", {"dp_shard": 2}, 1, 2),                            # 2 data shards x 1 micro-batch
     ("tp_sp", {"tp": 2, "sequence_parallel": True}, 2, 2),      # 1 data shard x 2 micro-batches
-    ("cp", {"cp": 2}, 2, 2),                                    # 1 data shard, cut by sequence, x 2
     ("cp_tp", {"cp": 2, "tp": 2}, 2, 4),                        # ring attention on tp-split heads
 ])
 def test_sft_under_torchrun_matches_one_process(reference, layout, parallel, grad_accum, nproc):
@@ -222,6 +221,40 @@ def assert_resume_is_bit_exact(cfg: SFTConfig, uninterrupted: Path, nproc: int) 
     want = load_pretrained(uninterrupted / "model").state_dict()
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want), "resumed weights differ from the uninterrupted run's"
+
+
+# Pipeline parallelism runs fixed shapes: micro-batches of 2 packed rows (of max_seq_len tokens).
+PP_DATA = {"batch_tokens": None, "micro_batch_size": 2}
+PP_LORA = {"enabled": True, "rank": 8}
+
+
+@pytest.fixture(scope="module")
+def pp_references(root):
+    """SFT in this process on PP_DATA (2 micro-batches per step), full and LoRA: {lora: records}."""
+    return {lora: in_process(sft_config(root, f"pp-ref{'-lora' if lora else ''}", data=PP_DATA, optim=optim(2),
+                                        **({"lora": PP_LORA} if lora else {})))
+            for lora in (False, True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,parallel,grad_accum,nproc,lora", [
+    ("pp", {"pp": 2}, 2, 2, False),                                              # a block per rank, tied ends
+    ("pp_fsdp", {"pp": 2, "dp_shard": 2, "pp_schedule": "gpipe"}, 1, 4, False),  # each stage sharded over 2
+    ("pp_tp", {"pp": 2, "tp": 2, "sequence_parallel": True}, 2, 4, True),        # LoRA on tp-split stages
+])
+def test_sft_under_pipeline_parallelism_matches_one_process(root, pp_references, layout, parallel, grad_accum,
+                                                            nproc, lora):
+    """The schedule runs each micro-batch's rows as microbatches (1F1B or GPipe), the loss on the
+    last stage a token sum; the debug model ties its embeddings, so the first and last stages
+    each hold a copy whose gradients are summed before the step. Then the run under pp is killed
+    after its step-2 checkpoint and resumed, bitwise."""
+    extra = {"lora": PP_LORA} if lora else {}
+    ref = f"pp-ref{'-lora' if lora else ''}"
+    cfg = sft_config(root, layout, data=PP_DATA, parallel=parallel, optim=optim(grad_accum), **extra)
+    records = torchrun_stage(cfg, root / f".work-{layout}", nproc)
+    assert_same_run(records, pp_references[lora], root / layout, root / ref, ("val/loss_initial", "val/loss"))
+    if layout == "pp":
+        assert_resume_is_bit_exact(cfg, root / layout, nproc)
 
 
 MOE = {"name_or_path": "debug-moe"}
@@ -338,8 +371,14 @@ def test_qlora_sft_under_fsdp_matches_one_process(root):
 def test_unsupported_layouts_are_refused_when_the_config_loads():
     from core.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"^parallel\.pp: pipeline parallelism \(pp=2\)"):
-        load_config(SFTConfig, overrides=["parallel.pp=2"])
+    with pytest.raises(ConfigError, match=r"^parallel\.pp: pipeline parallelism \(pp=2\) runs in the SFT stage only"):
+        load_config(DPOConfig, overrides=["parallel.pp=2"])
+    with pytest.raises(ConfigError, match=r"^data\.batch_tokens: pipeline parallelism \(pp=2\) runs fixed"):
+        load_config(SFTConfig, overrides=["parallel.pp=2", "data.batch_tokens=512"])
+    with pytest.raises(ConfigError, match=r"^data\.micro_batch_size: 6 rows do not split into 4 pipeline"):
+        load_config(SFTConfig, overrides=["parallel.pp=2", "parallel.pp_microbatches=4", "data.micro_batch_size=6"])
+    with pytest.raises(ConfigError, match=r"^parallel\.cp: context parallelism \(cp=2\) with pipeline"):
+        load_config(SFTConfig, overrides=["parallel.pp=2", "parallel.cp=2"])
     with pytest.raises(ConfigError, match=r"^parallel\.tp: an NF4 base"):
         load_config(SFTConfig, overrides=["parallel.tp=2", "lora.enabled=true", "lora.quantize_base=nf4"])
     with pytest.raises(ConfigError, match=r"^parallel\.tp: distillation mode='offline'"):

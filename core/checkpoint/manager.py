@@ -86,7 +86,7 @@ class CheckpointManager:
         self.wait()
         if step == self._writer.last_saved and not force:
             return False
-        payload = collect(step, model, optimizer, scheduler, extra, self.trainable_only)
+        payload = collect(step, model, optimizer, scheduler, extra, self.trainable_only, self._pg)
         try:
             self._writer.submit(payload)
         except ERRORS as e:
@@ -257,12 +257,13 @@ class CheckpointManager:
         except CheckpointException as e:
             raise CheckpointError(f"loading {path} failed: {why(e)}") from e
 
-        msd = {k: target.get("model." + k, v) for k, v in msd.items()} | common["model_values"]
+        # The JSON values are every rank's (core.checkpoint.writer.collect): this rank takes its own keys.
+        msd = {k: target.get("model." + k, common["model_values"].get(k, v)) for k, v in msd.items()}
         set_model_state_dict(model, msd, options=StateDictOptions(strict=not trainable_only))
         if optimizer is not None:
-            flat = {k: target["optim." + k] for k, v in osd.items() if isinstance(v, torch.Tensor)}
-            set_optimizer_state_dict(model, optimizer, flat | common["optim_values"],
-                                     options=optim_options(trainable_only))
+            flat = {k: target["optim." + k] if isinstance(v, torch.Tensor) else common["optim_values"][k]
+                    for k, v in osd.items()}
+            set_optimizer_state_dict(model, optimizer, flat, options=optim_options(trainable_only))
         if scheduler is not None:
             scheduler.load_state_dict(common["scheduler"])
         set_rng_state(per_rank["rng"])

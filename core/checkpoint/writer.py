@@ -41,20 +41,32 @@ class Payload:
 
 
 def collect(step: int, model: torch.nn.Module, optimizer, scheduler, extra: Mapping[str, Any] | None,
-            trainable_only: bool) -> Payload:
-    """Snapshot everything on the calling thread: state dicts, RNG, and the JSON parts."""
+            trainable_only: bool, group=None) -> Payload:
+    """Snapshot everything on the calling thread: state dicts, RNG, and the JSON parts. The
+    JSON values (param groups' settings, keyed by parameter name) are the union over the ranks:
+    ranks holding different parameters (pipeline stages) each contribute theirs. Collective."""
     tensors, model_values = split_tensors(model_state_dict(model, trainable_only), "model.")
-    common: dict[str, Any] = {"step": step, "model_values": encode(model_values, "model")}
+    common: dict[str, Any] = {"step": step, "model_values": encode(_union(model_values, group), "model")}
     if optimizer is not None:
         osd = get_optimizer_state_dict(model, optimizer, options=optim_options(trainable_only))
         optim_tensors, optim_values = split_tensors(osd, "optim.")
         tensors.update(optim_tensors)
-        common["optim_values"] = encode(optim_values, "optimizer")
+        common["optim_values"] = encode(_union(optim_values, group), "optimizer")
     if scheduler is not None:
         common["scheduler"] = encode(scheduler.state_dict(), "scheduler")
     trainer = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in (extra or {}).items()}
     per_rank = {"step": step, "trainer": encode(trainer, "extra"), "rng": encode(rng_state(), "rng")}
     return Payload(step, tensors, common, per_rank)
+
+
+def _union(values: dict[str, Any], group) -> dict[str, Any]:
+    """Every rank's `values` merged (rank 0's win where keys repeat: equal where ranks share a parameter)."""
+    if not dist_on():
+        return values
+    merged: dict[str, Any] = {}
+    for part in reversed(all_gather_object(values, group)):
+        merged.update(part)
+    return merged
 
 
 def _write_json(path: Path, obj: Any) -> None:

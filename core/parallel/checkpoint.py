@@ -38,7 +38,7 @@ def full_state_dict(model: nn.Module | Iterable[nn.Module],
         return part if rank == 0 else None
     # One rank per stage (the lowest of its stage group shares rank 0's position) sends its part.
     parts: list | None = [None] * dist.get_world_size(pp_group) if rank == 0 else None
-    if rank in dist.get_process_group_ranks(pp_group):
+    if 0 in dist.get_process_group_ranks(pp_group):  # rank 0's pp group: the other columns hold copies
         dist.gather_object(part, parts, dst=0, group=pp_group)
     if rank != 0:
         return None
