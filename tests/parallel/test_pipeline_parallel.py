@@ -63,7 +63,7 @@ def _run(world: int, layouts) -> dict[str, float]:
 
         def step(_):
             loss = pipe.step(*((my_ids, my_pos) if packed else (my_ids,)), target=my_ids)
-            shown = (loss if pipe.is_last else torch.zeros(())) + pipe.aux_loss()
+            shown = (loss.mean() if pipe.is_last else torch.zeros(())) + pipe.aux_loss()  # microbatches' mean
             if mesh.size("tp") > 1:  # each tp rank holds a share of the aux loss (token-sharded MoE)
                 shown = shown + all_reduce(pipe.aux_loss(), mesh.group("tp")) - pipe.aux_loss()
             return all_reduce(all_reduce(shown, mesh.group("pp")), mesh.group("dp")).item() / dp
