@@ -78,3 +78,42 @@ def test_merged_export_equals_adapter_model(qwen_dir, tmp_path, quantize):
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (plain(ids) - ours(ids)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_expert_adapter_loads_in_peft_with_same_logits(tmp_path, family):
+    """LoRA on the MoE experts (lora.experts) is peft's target_parameters on transformers'
+    stacked experts: the adapter loads with peft and gives our logits, loads back here, and the
+    merged export equals the adapted model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from core.lora import merged_state_dict
+    from registry.hf import save_pretrained
+
+    make_hf_model(family, tmp_path / "base")
+    ours = load_pretrained(tmp_path / "base").eval()
+    apply_lora(ours, rank=4, alpha=8, targets=["q_proj", "v_proj"], experts=True)
+    assert sum(p.numel() for n, p in ours.named_parameters() if ".experts.lora." in n) > 0
+    with torch.no_grad():  # a trained-looking adapter: B is not zero
+        for p in lora_parameters(ours):
+            p.add_(torch.randn_like(p) * 0.05)
+    save_adapter(ours, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="sdpa")
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours(ids)
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")(ids).logits
+        assert (want - base).abs().max() > 1e-2  # the experts' update shows in the logits
+        diff = (peft_model(ids).logits - want).abs().max().item()
+    assert diff < 1e-4, diff
+
+    fresh = load_pretrained(tmp_path / "base").eval()
+    wrapped = load_adapter(fresh, tmp_path / "adapter")
+    assert sum(".experts" in w for w in wrapped) == sum(1 for m in ours.moe_layers())
+    save_pretrained(ours, tmp_path / "merged", state=merged_state_dict(ours))
+    plain = load_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        assert (fresh(ids) - want).abs().max() < 1e-5
+        assert (plain(ids) - want).abs().max() < 1e-4

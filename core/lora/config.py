@@ -17,6 +17,8 @@ class LoRAConfig(ConfigModel):
     targets: list[str] = Field(
         ["all-linear"], description="Layer names or globs (q_proj, mlp.*), or 'all-linear' (not lm_head).")
     modules_to_save: list[str] = Field([], description="Modules trained in full, e.g. embed_tokens.")
+    experts: bool = Field(False, description="Also adapt every MoE expert: one low-rank update per expert of its "
+                          "gate+up and down weights (peft's target_parameters on HF's stacked experts).")
     use_rslora: bool = Field(False, description="Rank-stabilized scaling alpha/sqrt(r).")
     use_dora: bool = Field(False, description="DoRA: learn a per-channel magnitude beside the direction.")
     init_lora_weights: Literal["kaiming", "gaussian", "pissa"] = Field(
@@ -70,6 +72,9 @@ class LoRAConfig(ConfigModel):
         if self.multi and self.modules_to_save:
             raise ValueError("modules_to_save trains shared weights, which every adapter's examples would move; "
                              "with several adapter_names train adapters only")
+        if self.experts and (self.multi or self.use_dora or self.quantize_base or self.init_lora_weights == "pissa"):
+            raise ValueError("experts: LoRA on MoE experts takes one plain adapter (no several adapter_names, DoRA, "
+                             "QLoRA or PiSSA)")
         if not self.multi and self.adapter_sources:
             raise ValueError("adapter_sources routes data to one of several adapter_names; there is one")
         return self

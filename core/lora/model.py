@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from core.lora.config import LoRAConfig
+from core.lora.experts import PARAMS as EXPERT_PARAMS, apply_expert_lora, expert_loras
 from core.lora.layer import OUTPUT_HEADS, LoRALinear
 
 
@@ -64,6 +65,8 @@ def adapter_names(model: nn.Module) -> list[str]:
     names: dict[str, None] = {}
     for _, mod in lora_modules(model):
         names.update(dict.fromkeys(mod.adapters))
+    for _, mod in expert_loras(model):
+        names.update(dict.fromkeys([mod.name]))
     return list(names)
 
 
@@ -99,7 +102,7 @@ def apply_lora(
             continue
         if (all_linear or _matches(name, targets)) and not _matches(name, exclude):
             chosen.append(name)
-    if not chosen:
+    if not chosen and not c.experts:
         raise ValueError(f"no nn.Linear in {type(model).__name__} matches targets={targets!r} "
                          f"(exclude={exclude!r})")
     for name in chosen:
@@ -113,6 +116,8 @@ def apply_lora(
                              f"wrapped with quantize_base={mod.quantized}")
         for n in names:
             mod.add_adapter(n, c.rank, c.alpha, c.dropout, c.use_rslora, c.use_dora, c.init_lora_weights)
+    if c.experts:  # after the linear layers: init_adapters draws in this order too
+        chosen += apply_expert_lora(model, names[0], c.rank, c.alpha, c.dropout, c.use_rslora, c.init_lora_weights)
     if first_call:
         model.requires_grad_(False)
     for p in lora_parameters(model):
@@ -154,8 +159,20 @@ def merged_state_dict(model: nn.Module, name: str | None = "default") -> dict[st
     """The model's state dict as a plain (adapter-free) model would have it, with adapter `name`
     folded into each wrapped weight; the model itself is not changed. For HF export."""
     wrapped = dict(lora_modules(model))
+    experts = {m.removesuffix(".lora"): mod for m, mod in expert_loras(model)}
     out = {}
-    for key, value in model.state_dict().items():
+    state = model.state_dict()
+    folded = {}  # the experts' stacks with their update folded in
+    for owner, mod in experts.items():
+        weights = [state[f"{owner}.{k}"] for k in ("gate_proj", "up_proj", "down_proj")]
+        merged = mod.merged(*weights) if name == mod.name else weights
+        folded.update({f"{owner}.{k}": w for k, w in zip(("gate_proj", "up_proj", "down_proj"), merged)})
+    for key, value in state.items():
+        if key in folded:
+            out[key] = folded[key]
+            continue
+        if any(key.startswith(f"{owner}.lora.") for owner in experts):
+            continue
         module, _, leaf = key.rpartition(".")
         owner = next((m for m in wrapped if module == m or module.startswith(m + ".")), None)
         if owner is None:
@@ -198,6 +215,7 @@ def disable_adapter(model: nn.Module) -> Iterator[None]:
     if full:
         raise RuntimeError(f"{full[:3]} are trained in full (modules_to_save); "
                            "disable_adapter would not give the base model")
+    mods += [m for _, m in expert_loras(model)]
     prev = [m.disabled for m in mods]
     for m in mods:
         m.disabled = True
@@ -248,6 +266,9 @@ def lora_parameters(model: nn.Module, name: str | None = None) -> Iterator[nn.Pa
             for n, p in params.items():
                 if name is None or n == name:
                     yield p
+    for _, mod in expert_loras(model):
+        if name is None or mod.name == name:
+            yield from (getattr(mod, k) for k in EXPERT_PARAMS)
 
 
 def count_trainable(model: nn.Module) -> tuple[int, int]:
@@ -263,6 +284,8 @@ def _adapter_params(model: nn.Module, name: str) -> dict[str, nn.Parameter]:
     out = {f"{mname}.{kind}": getattr(mod, kind)[name]
            for mname, mod in lora_modules(model)
            for kind in ("lora_A", "lora_B", "lora_magnitude") if name in getattr(mod, kind)}
+    out.update({f"{mname}.{kind}": getattr(mod, kind) for mname, mod in expert_loras(model) if mod.name == name
+                for kind in EXPERT_PARAMS})
     if not out:
         raise KeyError(f"no LoRA adapter named {name!r}; adapters: {adapter_names(model)}")
     return out
@@ -293,5 +316,11 @@ def load_adapter_state_dict(
 def adapter_config(model: nn.Module, name: str = "default") -> dict[str, Any]:
     """rank/alpha/dropout/use_rslora/use_dora/init and the target module names (PEFT export)."""
     targets = [n for n, m in lora_modules(model) if name in m.lora_A]
-    first = _with_adapter(model, name)[0]
-    return dict(first.configs[name], targets=targets)
+    experts = [n for n, m in expert_loras(model) if m.name == name]
+    if targets:
+        config = _with_adapter(model, name)[0].configs[name]
+    elif experts:
+        config = model.get_submodule(experts[0]).config
+    else:
+        raise KeyError(f"no LoRA adapter named {name!r}; adapters: {adapter_names(model)}")
+    return dict(config, targets=targets, experts=experts)

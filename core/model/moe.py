@@ -33,12 +33,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (N, H) sorted by expert, `counts[e]` rows for local expert e; returns (N, H)."""
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if "lora" in self._modules:  # LoRA on the experts (core.lora.experts): W + s B A
+            gate, up, down = self.lora.effective(gate, up, down)
         outs = []
         for e, rows in enumerate(torch.split(x, counts)):
             if rows.shape[0] == 0:
                 continue
-            h = swiglu(rows @ self.gate_proj[e].T, rows @ self.up_proj[e].T)
-            outs.append(h @ self.down_proj[e].T)
+            h = swiglu(rows @ gate[e].T, rows @ up[e].T)
+            outs.append(h @ down[e].T)
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
 

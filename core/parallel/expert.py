@@ -72,6 +72,10 @@ class ParallelGroupedExperts(GroupedExperts):
 
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         weights = [local(p) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        if "lora" in self._modules:  # LoRA on the experts: this rank's experts' W + s B A
+            from core.lora.experts import PARAMS
+
+            weights = list(self.lora.effective(*weights, [local(getattr(self.lora, k)) for k in PARAMS]))
         if self.tp_group is not None:  # DTensor weights are skipped by replicate_over_tp: reduce here
             weights = [copy_to_tp(w, self.tp_group) for w in weights]
         if self.ep > 1:
@@ -137,13 +141,18 @@ class AllToAllDispatcher:
 def shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> None:
     """Keep this rank's E/ep experts (dim 0 of the stacked weights) as Shard(0) DTensors."""
     n, r = ep_mesh.size(), ep_mesh.get_local_rank()
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        p = getattr(moe.experts, name)
+    owners = [(moe.experts, name) for name in ("gate_proj", "up_proj", "down_proj")]
+    if "lora" in moe.experts._modules:  # LoRA on the experts: each adapter tensor has the expert dim first
+        from core.lora.experts import PARAMS
+
+        owners += [(moe.experts.lora, name) for name in PARAMS]
+    for owner, name in owners:
+        p = getattr(owner, name)
         if isinstance(p, DTensor):
             raise ValueError("experts are already sharded")
         shard = p.detach().chunk(n, dim=0)[r].clone()
-        setattr(moe.experts, name, nn.Parameter(DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False),
-                                                requires_grad=p.requires_grad))
+        setattr(owner, name, nn.Parameter(DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False),
+                                          requires_grad=p.requires_grad))
 
 
 def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh | None, capacity_factor: float | None = None,

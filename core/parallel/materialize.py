@@ -90,8 +90,6 @@ def init_adapters(model: nn.Module) -> None:
     if order is None:
         order = [(m, name, mod.lora_A[name].shape, mod.configs[name]["init_lora_weights"])
                  for m, mod in mods.items() for name in mod.adapters]
-    if not order:
-        return
     some = next((local_part(mod.lora_A[n])[0] for mod in mods.values() for n in mod.adapters), None)
     for m, name, shape, init in order:
         mod = mods.get(m)
@@ -101,3 +99,20 @@ def init_adapters(model: nn.Module) -> None:
         if a is not None:
             local.copy_(whole[block])
             local_part(mod.lora_B[name])[0].zero_()
+    init_expert_adapters(model)
+
+
+@torch.no_grad()
+def init_expert_adapters(model: nn.Module) -> None:
+    """LoRA on MoE experts (core.lora.experts), after the linear layers' adapters as apply_lora
+    draws them: each whole A drawn, this rank's experts (and FSDP shard) kept; B zeros."""
+    from core.lora.experts import expert_loras
+
+    for _, mod in expert_loras(model):
+        parts = {k: local_part(getattr(mod, k)) for k in ("gate_up_A", "down_A")}
+        whole = {k: torch.empty(getattr(mod, k).shape, dtype=t.dtype, device=t.device) for k, (t, _) in parts.items()}
+        mod.reset_a(whole)
+        for k, (t, block) in parts.items():
+            t.copy_(whole[k][block])
+        for k in ("gate_up_B", "down_B"):
+            local_part(getattr(mod, k))[0].zero_()
