@@ -9,8 +9,8 @@ global batches one process sees with grad_accum_steps=2; tp and cp ranks share t
 The step's token count is the check that the batches are the same.
 
 The matrix covers each stage and each dimension once, and the named combinations once each:
-SFT under FSDP, TP+SP, CP x TP, EP x FSDP / EP x TP (an MoE model) and PP, PP x FSDP, PP x TP
-(LoRA), and a killed and resumed run under FSDP, TP and PP bitwise equal to the uninterrupted one; DPO under CP x FSDP, and
+SFT under FSDP, TP+SP, CP x TP, EP x FSDP / EP x TP (an MoE model), EP x TP with LoRA on the
+experts, and PP, PP x FSDP, PP x TP (LoRA), and a killed and resumed run under FSDP, TP and PP bitwise equal to the uninterrupted one; DPO under CP x FSDP, and
 on-policy under CP; online distillation with the teacher laid out as the student under CP and
 TP, and with a layout of its own (sharded while the student replicates); offline distillation
 under FSDP (the teacher's cache scored by both ranks).
@@ -279,6 +279,23 @@ def test_moe_sft_under_expert_parallelism_matches_one_process(root, moe_referenc
         for step in range(1, STEPS + 1):  # (rank 0 logs its own micro-batch's; one process the mean of two)
             ref, par = steps_of(moe_reference)[step], steps_of(records)[step]
             assert par["moe/aux_loss"] == pytest.approx(ref["moe/aux_loss"], rel=0.1), (step, par, ref)
+
+
+@pytest.mark.slow
+def test_lora_on_experts_under_expert_and_tensor_parallelism_matches_one_process(root):
+    """lora.experts: each expert's update sharded with its expert over ep, replicated over tp (its
+    gradient reduced over tp in the graph); the merged export and the PEFT adapter (the experts'
+    target_parameters) come from the gathered adapters."""
+    from safetensors import safe_open
+
+    kw = dict(model=MOE, lora={"enabled": True, "rank": 8, "experts": True})
+    ref = in_process(sft_config(root, "moe-lora-ref", optim=optim(2), **kw))
+    cfg = sft_config(root, "ep_tp_lora", parallel={"dp_shard": 2, "tp": 2, "ep": 2}, optim=optim(1), **kw)
+    records = torchrun_stage(cfg, root / ".work-ep_tp_lora", 4)
+    assert_same_run(records, ref, root / "ep_tp_lora", root / "moe-lora-ref", ("val/loss_initial", "val/loss"))
+    with safe_open(str(root / "ep_tp_lora" / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        experts = [k for k in f.keys() if ".mlp.experts." in k]
+        assert len(experts) == 4 * 2 and f.get_tensor(experts[0]).abs().sum() > 0  # 4 tensors x 2 MoE layers
 
 
 @pytest.mark.slow
