@@ -35,18 +35,46 @@ def nf4_linear(x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:
     return _NF4Linear.apply(x, weight)
 
 
-class NF4Weight(nn.Module):
-    """An NF4Tensor held as buffers, so .to(device), state_dict and FSDP see it."""
+def nf4_shard(t: NF4Tensor, dim: int, parts: int, index: int) -> NF4Tensor:
+    """Part `index` of `parts` of a 2-D NF4 weight cut along `dim` (0: rows, 1: columns), as an
+    NF4Tensor of its own that dequantizes to exactly that slice of the whole weight: the same
+    codes, each under its block's fp32 scale (double quantization undone). Its blocks are the
+    whole weight's blocks cut where the slice cuts them (gcd of the block size and the slice's
+    run of contiguous values), so none straddles two scales. What tensor parallelism computes on."""
+    import math
 
-    def __init__(self, t: NF4Tensor):
+    rows, cols = t.shape
+    if t.shape[dim] % parts:
+        raise ValueError(f"cannot split a {tuple(t.shape)} NF4 weight in {parts} along dim {dim}")
+    n = t.shape[dim] // parts
+    row0, col0 = (index * n, 0) if dim == 0 else (0, index * n)
+    shape = (n, cols) if dim == 0 else (rows, n)
+    b = math.gcd(t.block_size, n * cols if dim == 0 else n)
+    if b % 2:
+        raise ValueError(f"a {tuple(t.shape)} NF4 weight split in {parts} along dim {dim} leaves blocks of {b} "
+                         "values, which two-per-byte packing cannot hold")
+    codes = torch.stack([t.packed >> 4, t.packed & 0xF], dim=-1).flatten()[: rows * cols].view(rows, cols)
+    local = codes[row0:row0 + shape[0], col0:col0 + shape[1]].flatten()
+    starts = torch.arange(0, local.numel(), b, device=local.device)  # each local block's first value
+    whole_index = (starts // shape[1] + row0) * cols + starts % shape[1] + col0
+    absmax = t.block_absmax()[whole_index // t.block_size].clone()
+    packed = (local[0::2] << 4) | local[1::2]
+    return NF4Tensor(packed, absmax, torch.Size(shape), t.dtype, b)
+
+
+class NF4Weight(nn.Module):
+    """An NF4Tensor held as buffers, so .to(device), state_dict and FSDP see it. persistent=False:
+    not in the state dict (a tensor-parallel rank's slice, derived from the whole weight)."""
+
+    def __init__(self, t: NF4Tensor, persistent: bool = True):
         super().__init__()
         self.shape, self.dtype = t.shape, t.dtype
         self.block_size, self.dq_block_size = t.block_size, t.dq_block_size
-        self.register_buffer("packed", t.packed)
-        self.register_buffer("absmax", t.absmax)
+        self.register_buffer("packed", t.packed, persistent=persistent)
+        self.register_buffer("absmax", t.absmax, persistent=persistent)
         if t.double_quant:
-            self.register_buffer("absmax_scale", t.absmax_scale)
-            self.register_buffer("absmax_offset", t.absmax_offset)
+            self.register_buffer("absmax_scale", t.absmax_scale, persistent=persistent)
+            self.register_buffer("absmax_offset", t.absmax_offset, persistent=persistent)
 
     @property
     def tensor(self) -> NF4Tensor:

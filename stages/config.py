@@ -128,9 +128,6 @@ class TrainStageConfig(StageConfig):
                              "distillation, DPO or evaluation; set parallel.pp=1 and shard with FSDP, TP or CP instead")
         if p.pp > 1:
             self._check_pipeline()
-        if self.lora.enabled and self.lora.quantize_base and p.tp > 1:
-            raise ValueError(f"parallel.tp: an NF4 base (lora.quantize_base, QLoRA) cannot be split by tensor "
-                             f"parallelism (tp={p.tp}) yet; set parallel.tp=1 (FSDP, HSDP and DDP run)")
 
     def _check_pipeline(self) -> None:
         """What pipeline parallelism needs: fixed (rows, tokens) microbatches, and dimensions it

@@ -170,15 +170,15 @@ def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> Pa
         if cfg.model.compile:
             apply_compile(list(model.layers))
         return None
-    if cfg.lora.quantize_base and dims.tp > 1:
-        raise StageError(f"lora.quantize_base={cfg.lora.quantize_base!r} (QLoRA): an NF4 base cannot be split by "
-                         f"tensor parallelism yet; set parallel.tp=1 (FSDP, HSDP and DDP run)")
     mesh = ParallelMesh(dims, d.device.type)
     if dims.pp > 1:
         parallelize_stages(model, cfg, mesh, d)
     else:
-        parallelize(model, p, mesh, activation_checkpointing=cfg.model.activation_checkpointing,
-                    compile=cfg.model.compile)
+        try:
+            parallelize(model, p, mesh, activation_checkpointing=cfg.model.activation_checkpointing,
+                        compile=cfg.model.compile)
+        except ValueError as e:  # a weight this layout cannot split (e.g. an NF4 block)
+            raise StageError(f"parallel: {e}") from None
     log.info("parallelized over %s", mesh)
     return mesh
 

@@ -465,3 +465,21 @@ def test_qlora_apply_and_count():
     model(x).sum().backward()
     with pytest.raises(ValueError, match="quantize_base"):
         apply_lora(model, targets="all-linear", adapter_name="dense")
+
+
+@pytest.mark.parametrize("shape,double_quant", [((64, 64), False), ((96, 64), True), ((40, 200), True),
+                                                ((128, 48), False)])
+def test_nf4_shards_dequantize_to_slices_of_the_whole_weight(shape, double_quant):
+    """Tensor parallelism's cut of an NF4 weight (core.quant.nf4_shard), by rows or columns into
+    2 or 4: each part dequantizes to exactly its slice of the whole dequantized weight, also where
+    the cut splits a 64-value block (the part's blocks are then smaller, under the same scale)."""
+    from core.quant import dequantize_nf4, nf4_shard, quantize_nf4
+
+    t = quantize_nf4(torch.randn(shape, generator=torch.Generator().manual_seed(0)), double_quant=double_quant)
+    whole = dequantize_nf4(t)
+    for dim in (0, 1):
+        for parts in (2, 4):
+            for i in range(parts):
+                assert torch.equal(dequantize_nf4(nf4_shard(t, dim, parts, i)), whole.chunk(parts, dim)[i])
+    with pytest.raises(ValueError, match="cannot split"):
+        nf4_shard(t, 0, 7, 0)

@@ -13,7 +13,7 @@ SFT under FSDP, TP+SP, CP x TP, EP x FSDP / EP x TP (an MoE model), EP x TP with
 experts, and PP, PP x FSDP, PP x TP (LoRA), and a killed and resumed run under FSDP, TP and PP bitwise equal to the uninterrupted one; DPO under CP x FSDP, and
 on-policy under CP; online distillation with the teacher laid out as the student under CP and
 TP, and with a layout of its own (sharded while the student replicates); offline distillation
-under FSDP (the teacher's cache scored by both ranks).
+under FSDP (the teacher's cache scored by both ranks); QLoRA under FSDP and under TP.
 """
 
 from __future__ import annotations
@@ -374,15 +374,27 @@ def test_offline_distillation_under_fsdp_matches_one_process(root):
         assert torch.equal(x["ids"], y["ids"]) and torch.allclose(x["logps"], y["logps"], atol=1e-5)
 
 
+QLORA = {"enabled": True, "quantize_base": "nf4", "rank": 8}
+
+
+@pytest.fixture(scope="module")
+def qlora_reference(root):
+    return in_process(sft_config(root, "qlora-ref", lora=QLORA, optim=optim(2, lr=5e-3)))
+
+
 @pytest.mark.slow
-def test_qlora_sft_under_fsdp_matches_one_process(root):
+@pytest.mark.parametrize("layout,parallel,grad_accum", [
+    ("qlora-fsdp", {"dp_shard": 2}, 1),
+    ("qlora-tp", {"tp": 2, "sequence_parallel": True}, 2),
+])
+def test_qlora_sft_under_fsdp_and_tp_matches_one_process(root, qlora_reference, layout, parallel, grad_accum):
     """QLoRA under FSDP: the adapters, the dense frozen weights (embedding, norms, head) and their
-    optimizer state sharded; the NF4 base, held in buffers, replicated on each rank."""
-    lora = {"enabled": True, "quantize_base": "nf4", "rank": 8}
-    ref = in_process(sft_config(root, "qlora-ref", lora=lora, optim=optim(2, lr=5e-3)))
-    cfg = sft_config(root, "qlora-fsdp", lora=lora, parallel={"dp_shard": 2}, optim=optim(1, lr=5e-3))
-    records = torchrun_stage(cfg, root / ".work-qlora-fsdp", 2)
-    assert_same_run(records, ref, root / "qlora-fsdp", root / "qlora-ref", ("val/loss_initial", "val/loss"))
+    optimizer state sharded; the NF4 base, held in buffers, replicated on each rank. Under TP each
+    rank computes on its slice of every NF4 weight (core.quant.nf4_shard: the same codes and
+    scales, cut where the split cuts the blocks), the adapters split as for a dense base."""
+    cfg = sft_config(root, layout, lora=QLORA, parallel=parallel, optim=optim(grad_accum, lr=5e-3))
+    records = torchrun_stage(cfg, root / f".work-{layout}", 2)
+    assert_same_run(records, qlora_reference, root / layout, root / "qlora-ref", ("val/loss_initial", "val/loss"))
 
 
 def test_unsupported_layouts_are_refused_when_the_config_loads():
@@ -396,8 +408,6 @@ def test_unsupported_layouts_are_refused_when_the_config_loads():
         load_config(SFTConfig, overrides=["parallel.pp=2", "parallel.pp_microbatches=4", "data.micro_batch_size=6"])
     with pytest.raises(ConfigError, match=r"^parallel\.cp: context parallelism \(cp=2\) with pipeline"):
         load_config(SFTConfig, overrides=["parallel.pp=2", "parallel.cp=2"])
-    with pytest.raises(ConfigError, match=r"^parallel\.tp: an NF4 base"):
-        load_config(SFTConfig, overrides=["parallel.tp=2", "lora.enabled=true", "lora.quantize_base=nf4"])
     with pytest.raises(ConfigError, match=r"^parallel\.tp: distillation mode='offline'"):
         load_config(DistillConfig, overrides=["parallel.tp=2", "mode=offline", "top_k=8"])
 

@@ -60,9 +60,32 @@ def _shard_param(p: nn.Parameter | None, dim: int, mesh: DeviceMesh) -> nn.Param
 
 
 def _check_lora(mod: LoRALinear, name: str) -> None:
-    if mod.quantized or mod.lora_magnitude or mod.merged:
-        raise NotImplementedError(f"{name}: tensor parallelism supports plain LoRA adapters; not NF4 bases, "
+    if mod.lora_magnitude or mod.merged:
+        raise NotImplementedError(f"{name}: tensor parallelism supports LoRA adapters on dense or NF4 bases; not "
                                   "DoRA or merged adapters (merge after gathering, or use tp=1)")
+
+
+def _split_nf4(mod: LoRALinear, dim: int, mesh: DeviceMesh, name: str) -> None:
+    """QLoRA: this rank's slice of the NF4 base (core.quant.nf4_shard), what its forward computes
+    on, kept out of the state dict; the whole NF4 weight stays in `weight` (replicated over tp, as
+    FSDP keeps it: buffers), so checkpoints and the gathered export read it unchanged."""
+    from core.quant import NF4Weight, nf4_shard
+
+    try:
+        shard = nf4_shard(mod.weight.tensor, dim, mesh.size(), mesh.get_local_rank())
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    mod.tp_weight = NF4Weight(shard, persistent=False)
+
+
+def _base(mod: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x W_r^T (+ bias) for this rank's block of the base weight (dense DTensor shard, or NF4 slice)."""
+    if isinstance(mod, LoRALinear) and mod.quantized:
+        from core.quant import nf4_linear
+
+        y = nf4_linear(x, mod.tp_weight.tensor)
+        return y if bias is None else y + bias
+    return F.linear(x, local(mod.weight), bias)
 
 
 def _active_lora(mod: nn.Module) -> str | None:
@@ -94,7 +117,7 @@ def _lora_input(mod: LoRALinear, name: str, x: Tensor) -> Tensor:
 def _column_forward(mod: nn.Module, x: Tensor) -> Tensor:
     if mod.input_mode != "region":
         x = enter_region(x, mod.tp_group, mod.input_mode == "sequence")
-    y = F.linear(x, local(mod.weight), local(mod.bias) if mod.bias is not None else None)
+    y = _base(mod, x, local(mod.bias) if mod.bias is not None else None)
     if _routed(mod):
         return y + _routed_lora(mod, x, lambda n: (copy_to_tp(local(mod.lora_A[n]), mod.tp_group),
                                                    local(mod.lora_B[n])))
@@ -136,7 +159,10 @@ def column_parallel(mod: nn.Module, mesh: DeviceMesh, input_mode: InputMode = "r
         mod.__class__ = ColumnParallelLinear
     else:
         raise TypeError(f"{name}: column parallelism applies to nn.Linear or LoRALinear, not {type(mod).__name__}")
-    mod.weight = _shard_param(mod.weight, 0, mesh)
+    if isinstance(mod, LoRALinear) and mod.quantized:
+        _split_nf4(mod, 0, mesh, name)
+    else:
+        mod.weight = _shard_param(mod.weight, 0, mesh)
     if mod.bias is not None:
         mod.bias = _shard_param(mod.bias, 0, mesh)
     mod.out_features //= mesh.size()
@@ -148,7 +174,7 @@ def column_parallel(mod: nn.Module, mesh: DeviceMesh, input_mode: InputMode = "r
 
 
 def _row_forward(mod: nn.Module, x: Tensor) -> Tensor:
-    y = F.linear(x, local(mod.weight))  # (..., out), this rank's partial sum
+    y = _base(mod, x)  # (..., out), this rank's partial sum
     name = _active_lora(mod)
     if _routed(mod):  # a partial of each token's LoRA term, like the base's
         y = y + _routed_lora(mod, x, lambda n: (local(mod.lora_A[n]), copy_to_tp(local(mod.lora_B[n]), mod.tp_group)))
@@ -194,7 +220,10 @@ def row_parallel(mod: nn.Module, mesh: DeviceMesh, output_mode: OutputMode = "re
         mod.__class__ = RowParallelLinear
     else:
         raise TypeError(f"{name}: row parallelism applies to nn.Linear or LoRALinear, not {type(mod).__name__}")
-    mod.weight = _shard_param(mod.weight, 1, mesh)  # the bias stays whole: added once, after the sum
+    if isinstance(mod, LoRALinear) and mod.quantized:  # the bias stays whole: added once, after the sum
+        _split_nf4(mod, 1, mesh, name)
+    else:
+        mod.weight = _shard_param(mod.weight, 1, mesh)
     mod.in_features //= mesh.size()
     mod.tp_group, mod.output_mode = mesh.get_group(), output_mode
     return mod
