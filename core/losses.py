@@ -250,8 +250,17 @@ def distill_loss_topk(student_logits: Tensor, teacher_topk_ids: Tensor, teacher_
         raise ValueError(f"teacher top-k ids {tuple(ids_shape)} / logps {tuple(teacher_topk_logps.shape)} "
                          f"do not match student logits {tuple(student_logits.shape)}")
     dt = compute_dtype(student_logits.dtype)
-    logp_t = F.log_softmax(teacher_topk_logps.to(dt) / temperature, dim=-1)
     logp_s = F.log_softmax(student_logits.to(dt) / temperature, dim=-1).gather(-1, teacher_topk_ids)
+    return topk_divergence(logp_s, teacher_topk_logps, kind, temperature, beta, mask, reduction, scale_by_t2)
+
+
+def topk_divergence(student_logps: Tensor, teacher_topk_logps: Tensor, kind: str = "forward_kl",
+                    temperature: float = 1.0, beta: float = 0.5, mask: Tensor | None = None,
+                    reduction: str = "mean", scale_by_t2: bool = True) -> Tensor:
+    """distill_loss_topk from the student's full-vocabulary log-probs (at temperature T) at the
+    teacher's k ids, (N..., k): what a vocab-parallel student computes without the full logits."""
+    logp_t = F.log_softmax(teacher_topk_logps.to(student_logps.dtype) / temperature, dim=-1)
+    logp_s = student_logps
     if kind != "forward_kl":
         logp_s = logp_s - logp_s.logsumexp(-1, keepdim=True)
     per_token = divergence(logp_s, logp_t, kind, beta) * (temperature**2 if scale_by_t2 else 1.0)

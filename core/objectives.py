@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.data.packing import sequence_sums
-from core.losses import IGNORE_INDEX, dpo_loss
+from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk, dpo_loss
 from core.model.moe import routed_tokens
-from core.parallel.context import CP_KEY, shard_batch, sum_over_shards
+from core.parallel.context import CP_KEY, shard_batch, shard_like, sum_over_shards
 from core.parallel.losses import (vocab_parallel_cross_entropy, vocab_parallel_distill_loss,
-                                  vocab_parallel_token_logps)
+                                  vocab_parallel_distill_topk, vocab_parallel_token_logps, vocab_parallel_topk)
 from core.trainer import LossOutput
 from kernels.fused_linear_ce import fused_linear_cross_entropy
 from kernels.fused_linear_kl import fused_linear_distill, fused_linear_logps
@@ -215,6 +215,70 @@ def distill_objective(teacher: nn.Module, kind: str = "forward_kl", temperature:
                           batch["num_target_tokens"])
 
     return objective
+
+
+def topk_distill_objective(rows: Callable, kind: str = "forward_kl", temperature: float = 1.0, beta: float = 0.5,
+                           ce_weight: float = 0.0) -> Callable:
+    """Offline distillation from a cached teacher top-k: `rows(doc_indices)` gives the (T, k) ids
+    and log-probs of the batch's positions (stages.distill.TeacherTopK). Only the trained
+    positions' logits are computed; under context parallelism the rows of this rank's share are
+    taken, under tensor parallelism the loss is vocab-parallel (the cache holds global ids)."""
+
+    def objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
+        batch = cp_view(model, batch)
+        labels, mask, shift = batch["labels"], response_mask(batch), shifted(batch)
+        t_ids, t_lp = rows(batch["doc_indices"])
+        t_ids, t_lp = t_ids.to(labels.device), t_lp.to(labels.device)
+        if CP_KEY in batch:  # the rows of this rank's share of the positions
+            t_ids, t_lp = shard_like(batch, t_ids), shard_like(batch, t_lp)
+        sel = mask.reshape(-1)
+
+        def head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            logits = h.reshape(-1, h.shape[-1])[sel] @ w.T  # only the positions that are trained
+            loss = distill_loss_topk(logits, t_ids[sel], t_lp[sel], kind=kind, temperature=temperature, beta=beta,
+                                     reduction="sum")
+            if ce_weight:
+                loss = loss + ce_weight * chunked_cross_entropy(h, w, labels, reduction="sum", shift=shift)
+            return loss
+
+        def vocab_parallel_head(z: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+            loss = vocab_parallel_distill_topk(z.reshape(-1, z.shape[-1])[sel], t_ids[sel], t_lp[sel], group, kind,
+                                               temperature, beta, reduction="sum")
+            if ce_weight:
+                loss = loss + ce_weight * vocab_parallel_cross_entropy(z, labels, group, reduction="sum",
+                                                                       shift=shift)
+            return loss
+
+        return LossOutput(_forward(model, batch, _head(model, batch, head, vocab_parallel_head)),
+                          batch["num_target_tokens"])
+
+    return objective
+
+
+@torch.no_grad()
+def teacher_topk(teacher: nn.Module, batch: dict[str, Any], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k (ids int32, log-probs) at every position of a padding-free batch,
+    (T, k), chunked so the full logits never exist. Under tensor parallelism (the teacher split
+    like the student) from its vocab-split logits (vocab_parallel_topk), every rank of the tp
+    group getting the same rows; sequence parallelism is switched off for it."""
+    from core.parallel.tensor import decode_without_sequence_parallel
+
+    group = _tp_group(teacher)
+    ids, logps = [], []
+    if group is None:
+        h, w = teacher(batch["input_ids"], batch["position_ids"], head=lambda h, w: (h, w))
+        for j in range(0, h.shape[1], CHUNK):
+            top = (h[0, j:j + CHUNK].float() @ w.float().T).log_softmax(-1).topk(k, dim=-1)
+            ids.append(top.indices.int())
+            logps.append(top.values)
+    else:
+        with decode_without_sequence_parallel(teacher):  # whole sequences on every tp rank
+            h = teacher(batch["input_ids"], batch["position_ids"], head=lambda h, w: h)
+            for j in range(0, h.shape[1], CHUNK):
+                top_ids, top_lp = vocab_parallel_topk(teacher.lm_head(h[:, j:j + CHUNK])[0], k, group)
+                ids.append(top_ids.int())
+                logps.append(top_lp)
+    return torch.cat(ids), torch.cat(logps)
 
 
 # ------------------------------------------------------------------------- pipeline parallelism

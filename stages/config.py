@@ -217,9 +217,6 @@ class DistillConfig(TrainStageConfig):
 
     def check_stage_layout(self) -> None:
         super().check_stage_layout()
-        if self.mode == "offline" and self.parallel.tp > 1:  # the cache holds top-k of the full vocabulary
-            raise ValueError(f"parallel.tp: distillation mode='offline' does not support tensor parallelism "
-                             f"(tp={self.parallel.tp}) yet; set parallel.tp=1 or mode='online' / 'on_policy'")
         t = self.teacher.parallel
         if t is not None:
             for key in ("tp", "cp"):

@@ -35,16 +35,15 @@ from safetensors.torch import save_file
 from stages.config import DistillConfig
 from core.data.encode import Document, last_run_start
 from core.data.packing import collate_padding_free
-from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk
+from core.losses import IGNORE_INDEX
 from core.manifest import digest
 from core.model.generate import SamplingParams, generate
-from core.objectives import CHUNK, cp_view, distill_objective, response_mask, shifted
-from core.parallel.context import CP_KEY, shard_like
-from core.trainer import LossOutput
+from core.objectives import distill_objective, teacher_topk, topk_distill_objective
 from stages.adapters import adapter_routing, routed, trained_adapters
 from stages.common import Dist, StageError, parse_spec
 from stages.recipe import Plan, Session, load_frozen, run_training
-from stages.training import DeviceLoader, doc_loader, drop_metrics, mean_loss, sampling, stage_data, to_device
+from stages.training import (DeviceLoader, doc_loader, drop_metrics, mean_loss, sampling, sampling_unit, stage_data,
+                             to_device)
 
 log = logging.getLogger("posttrain.distill")
 
@@ -165,35 +164,31 @@ class TeacherTopK:
 
 
 @torch.no_grad()
-def teacher_topk(teacher, docs: list[Document], k: int, cache: Path, teacher_id: str, d: Dist) -> TeacherTopK:
+def score_teacher(teacher, docs: list[Document], k: int, cache: Path, teacher_id: str, d: Dist) -> TeacherTopK:
     """Score the documents with the teacher into its TeacherTopK cache (unless complete): the
-    chunks still missing are dealt round-robin to the ranks, each writes its own chunks' files
-    (atomically, so a run killed meanwhile leaves whole files that the next run keeps), and every
-    rank runs as many forwards (a rank out of chunks scores one again, unsaved): a sharded
-    teacher's forwards are collective."""
+    chunks still missing are dealt round-robin to the sampling units (each rank, or each tp group,
+    whose ranks score the same chunk in lockstep: core.objectives.teacher_topk), each unit's first
+    rank writes its chunks' files (atomically, so a run killed meanwhile leaves whole files that the
+    next run keeps), and every rank runs as many forwards (a unit out of chunks scores one again,
+    unsaved): a sharded teacher's forwards are collective."""
     topk = TeacherTopK(cache, docs, k, teacher_id)
     if topk.complete:
         return topk
     d.barrier()  # every rank sees the same files missing
     todo = [c for c in range(topk.chunks) if not topk.path(c).exists()]
-    mine = todo[d.rank::d.world]
-    rounds = (len(todo) + d.world - 1) // d.world
+    unit, units = sampling_unit(d)
+    writes = d.rank % (d.world // units) == 0  # the unit's first rank (tp is the innermost dimension)
+    mine = todo[unit::units]
+    rounds = (len(todo) + units - 1) // units
     topk.dir.mkdir(parents=True, exist_ok=True)
     teacher.eval()
     for r in range(rounds):
         c = mine[r] if r < len(mine) else todo[0]
         chunk = docs[c * CACHE_CHUNK:(c + 1) * CACHE_CHUNK]
-        batch = to_device(collate_padding_free(chunk), d.device)
-        h, w = teacher(batch["input_ids"], batch["position_ids"], head=lambda h, w: (h, w))
-        ids, logps = [], []
-        for j in range(0, h.shape[1], CHUNK):  # chunked so the full logits never exist
-            lp = (h[0, j : j + CHUNK].float() @ w.float().T).log_softmax(-1)
-            top = lp.topk(k, dim=-1)
-            ids.append(top.indices.int().cpu())
-            logps.append(top.values.cpu())
-        if r < len(mine):
+        ids, logps = teacher_topk(teacher, to_device(collate_padding_free(chunk), d.device), k)
+        if r < len(mine) and writes:
             tmp = topk.path(c).with_name(f".{topk.path(c).name}.{os.getpid()}.tmp")
-            save_file({"ids": torch.cat(ids), "logps": torch.cat(logps)}, str(tmp))
+            save_file({"ids": ids.cpu(), "logps": logps.cpu()}, str(tmp))
             os.replace(tmp, topk.path(c))
     d.barrier()
     if d.is_main:
@@ -203,32 +198,6 @@ def teacher_topk(teacher, docs: list[Document], k: int, cache: Path, teacher_id:
         (topk.dir / "complete").write_text(json.dumps({"teacher": teacher_id, "k": k, "chunks": topk.chunks}))
     d.barrier()
     return topk
-
-
-def offline_objective(cfg: DistillConfig, topk: TeacherTopK) -> Any:
-    """Distillation from the cached top-k: each batch reads its documents' rows."""
-
-    def objective(model, batch):
-        batch = cp_view(model, batch)
-        labels, mask = batch["labels"], response_mask(batch)
-        t_ids, t_lp = topk.rows(batch["doc_indices"])
-        t_ids, t_lp = t_ids.to(labels.device), t_lp.to(labels.device)
-        if CP_KEY in batch:  # the rows of this rank's share of the positions
-            t_ids, t_lp = shard_like(batch, t_ids), shard_like(batch, t_lp)
-        sel = mask.reshape(-1)
-
-        def head(h, w):
-            logits = h.reshape(-1, h.shape[-1])[sel] @ w.T  # only the positions that are trained
-            loss = distill_loss_topk(logits, t_ids[sel], t_lp[sel], kind=cfg.divergence, temperature=cfg.temperature,
-                                     beta=cfg.jsd_beta, reduction="sum")
-            if cfg.ce_weight:
-                loss = loss + cfg.ce_weight * chunked_cross_entropy(h, w, labels, reduction="sum",
-                                                                    shift=shifted(batch))
-            return loss
-
-        return LossOutput(model(batch["input_ids"], batch["position_ids"], head=head), batch["num_target_tokens"])
-
-    return objective
 
 
 class Distill:
@@ -264,8 +233,10 @@ class Distill:
         teacher_id = (teacher_manifest or {}).get("digest", cfg.teacher.name_or_path)
         if cfg.mode == "offline":  # before training: not part of the step time
             cache = Path(cfg.teacher_cache) if cfg.teacher_cache else s.out / "teacher_cache"
-            topk = teacher_topk(teacher, train_docs, cfg.top_k, cache, teacher_id, d)
-            objective, train = offline_objective(cfg, topk), DeviceLoader(base, d.device)
+            topk = score_teacher(teacher, train_docs, cfg.top_k, cache, teacher_id, d)
+            objective = topk_distill_objective(topk.rows, cfg.divergence, cfg.temperature, cfg.jsd_beta,
+                                               cfg.ce_weight)
+            train = DeviceLoader(base, d.device)
         elif cfg.mode == "on_policy":
             objective, train = online, OnPolicyMix(DeviceLoader(base, d.device), s, prompts)
         else:

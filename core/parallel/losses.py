@@ -29,6 +29,7 @@ from core.losses import (
     compute_dtype,
     divergence,
     masked_reduce,
+    topk_divergence,
 )
 from core.parallel.mappings import copy_to_tp, reduce_from_tp
 
@@ -117,3 +118,34 @@ def vocab_parallel_distill_loss(student_logits: Tensor, teacher_logits: Tensor, 
     per_token = per_token * (temperature**2 if scale_by_t2 else 1.0)
     keep = torch.ones_like(per_token, dtype=torch.bool) if mask is None else mask
     return masked_reduce(per_token, keep, reduction)
+
+
+def vocab_parallel_distill_topk(logits: Tensor, teacher_topk_ids: Tensor, teacher_topk_logps: Tensor,
+                                group: dist.ProcessGroup, kind: str = "forward_kl", temperature: float = 1.0,
+                                beta: float = 0.5, reduction: str = "mean") -> Tensor:
+    """core.losses.distill_loss_topk for student logits (N, V/tp) split by vocab over `group`:
+    log p_S at each teacher id is its logit (taken on the rank that owns the id) minus the
+    vocab-parallel logsumexp. The loss is then whole, and equal, on every rank."""
+    check_choice("kind", kind, DISTILL_KINDS)
+    z = logits.to(compute_dtype(logits.dtype)) / temperature
+    rel = teacher_topk_ids - _vocab_start(z, group)
+    mine = (rel >= 0) & (rel < z.shape[-1])
+    z_ids = reduce_from_tp(torch.where(mine, z.gather(-1, torch.where(mine, rel, 0)), 0.0), group)
+    logp_s = z_ids - vocab_parallel_logsumexp(z, group)[..., None]  # whole on every rank, as CE's
+    return topk_divergence(logp_s, teacher_topk_logps, kind, temperature, beta, None, reduction)
+
+
+@torch.no_grad()
+def vocab_parallel_topk(logits: Tensor, k: int, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    """(ids, log-probs) of the k most likely tokens over the full vocabulary, (N, k), from logits
+    (N, V/tp) split by vocab: each rank's top k of its slice (global ids), gathered, then the top k
+    of those; the same on every rank."""
+    lp = logits.float() - vocab_parallel_logsumexp(logits.float(), group)[..., None]
+    top = lp.topk(k, dim=-1)
+    n = dist.get_world_size(group)
+    ids = [torch.empty_like(top.indices) for _ in range(n)]
+    vals = [torch.empty_like(top.values) for _ in range(n)]
+    dist.all_gather(ids, top.indices + _vocab_start(lp, group), group=group)
+    dist.all_gather(vals, top.values, group=group)
+    best = torch.cat(vals, -1).topk(k, dim=-1)
+    return torch.cat(ids, -1).gather(-1, best.indices), best.values

@@ -49,6 +49,18 @@ def _vocab_losses(tp_group) -> dict[str, float]:
         pair(f"distill_{kind}", lambda s, t: L.distill_loss(s, t, kind, temperature=2.0, beta=0.3, mask=mask),
              lambda s, t: VP.vocab_parallel_distill_loss(s, t, tp_group, kind, temperature=2.0, beta=0.3, mask=mask),
              [z, zt])
+    # offline distillation: the teacher's top-k over the split vocab, and the loss against it
+    flat_t = zt.flatten(0, 1)
+    want = flat_t.log_softmax(-1).topk(5, dim=-1)
+    ids, lps = VP.vocab_parallel_topk(flat_t.chunk(n, -1)[r], 5, tp_group)
+    out["topk_ids"] = float(not torch.equal(ids, want.indices))
+    out["topk_logps"] = (lps - want.values).abs().max().item()
+    for kind in L.DISTILL_KINDS:
+        pair(f"distill_topk_{kind}",
+             lambda s: L.distill_loss_topk(s.flatten(0, 1), ids, lps, kind, temperature=2.0, beta=0.3,
+                                           reduction="sum"),
+             lambda s: VP.vocab_parallel_distill_topk(s.flatten(0, 1), ids, lps, tp_group, kind, temperature=2.0,
+                                                      beta=0.3, reduction="sum"), [z])
     return out
 
 
