@@ -10,10 +10,12 @@ The step's token count is the check that the batches are the same.
 
 The matrix covers each stage and each dimension once, and the named combinations once each:
 SFT under FSDP, TP+SP, CP x TP, EP x FSDP / EP x TP (an MoE model), EP x TP with LoRA on the
-experts, and PP, PP x FSDP, PP x TP (LoRA), and a killed and resumed run under FSDP, TP and PP bitwise equal to the uninterrupted one; DPO under CP x FSDP, and
-on-policy under CP; online distillation with the teacher laid out as the student under CP and
-TP, and with a layout of its own (sharded while the student replicates); offline distillation
-under FSDP (the teacher's cache scored by both ranks); QLoRA under FSDP and under TP.
+experts, PP, PP x FSDP and PP x TP (LoRA), and a killed and resumed run under FSDP, TP and PP
+bitwise equal to the uninterrupted one; QLoRA under FSDP and under TP; DPO under CP x FSDP and
+EP x FSDP, on-policy under CP and TP; online distillation with the teacher laid out as the student
+under CP and TP, with a layout of its own (sharded while the student replicates), and of an MoE
+student under EP x FSDP; GKD (on-policy) under CP and TP; offline distillation under FSDP (the
+teacher's cache scored by both ranks) and TP (top-k of the vocab-split logits).
 """
 
 from __future__ import annotations
@@ -356,6 +358,43 @@ def test_online_distillation_under_parallel_layouts_matches_one_process(root, kd
         cfg = DistillConfig.model_validate(cfg.model_dump())
     records = torchrun_stage(cfg, root / f".work-{layout}", 2)
     assert_same_run(records, kd_reference, root / layout, root / "kd-ref", ("val/kl_initial", "val/kl"))
+
+
+GKD = dict(mode="on_policy", on_policy_ratio=0.5, max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def gkd_reference(root):
+    return in_process(distill_config(root, "gkd-ref", optim=optim(2), **GKD))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,parallel", [
+    ("gkd-cp", {"cp": 2}),  # the student samples as an ordinary model, then trains on its samples cut over cp
+    ("gkd-tp", {"tp": 2}),  # the tp group decodes in lockstep on the same prompts
+])
+def test_on_policy_distillation_under_parallel_layouts_matches_one_process(root, gkd_reference, layout, parallel):
+    """GKD (mode on_policy): half the batches are the student's own completions, scored by the
+    teacher laid out as the student; the same samples and steps as one process."""
+    cfg = distill_config(root, layout, parallel=parallel, optim=optim(2), **GKD)
+    records = torchrun_stage(cfg, root / f".work-{layout}", 2)
+    assert_same_run(records, gkd_reference, root / layout, root / "gkd-ref", ("val/kl_initial", "val/kl"))
+    samples = [json.loads((root / d / "manifest.json").read_text())["metrics"]["on_policy/samples"]
+               for d in ("gkd-ref", layout)]
+    assert samples[0] == samples[1] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["dpo", "distill"])
+def test_moe_dpo_and_distillation_under_expert_parallelism_match_one_process(root, stage):
+    """EP x FSDP in the other training stages: DPO (the reference the LoRA base, experts sharded)
+    and online distillation of an MoE student by a dense teacher."""
+    make, val = (dpo_config, ("val/accuracy", "val/margin")) if stage == "dpo" else (distill_config, ("val/kl",))
+    lr = 5e-3 if stage == "dpo" else 1e-3
+    ref = in_process(make(root, f"{stage}-moe-ref", model=MOE, optim=optim(2, lr=lr)))
+    cfg = make(root, f"{stage}-ep", model=MOE, parallel={"dp_shard": 2, "ep": 2}, optim=optim(1, lr=lr))
+    records = torchrun_stage(cfg, root / f".work-{stage}-ep", 2)
+    assert_same_run(records, ref, root / f"{stage}-ep", root / f"{stage}-moe-ref", val)
 
 
 @pytest.fixture(scope="module")
