@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from core.data.routing import AdapterRouting
 from core.losses import IGNORE_INDEX
 from core.lora import route_adapters
+from core.objectives import cp_view
+from core.parallel.context import CP_KEY
 from core.trainer import LossOutput, Objective
 
 ADAPTERS_DIR = "adapters"
@@ -53,6 +55,7 @@ def routed(objective: Objective, names: list[str]) -> Objective:
         if "adapter_ids" not in batch:
             raise ValueError(f"training adapters {names}: the batch carries no adapter_ids (its documents were "
                              "read without routing: core.data.routing)")
+        batch = cp_view(model, batch)  # under context parallelism: this rank's share, adapter ids cut alike
         ids = batch["adapter_ids"]
         lm_head = getattr(model, "lm_head", None)
         if getattr(lm_head, "input_mode", None) == "sequence":  # core.objectives pads the tokens for tp
@@ -61,9 +64,11 @@ def routed(objective: Objective, names: list[str]) -> Objective:
             out = objective(model, batch)
         if "num_pairs" in batch:
             per = batch["sequence_adapters"][: batch["num_pairs"]]
-        else:
+        else:  # (labels shifted by cp_view under cp: a document's first label is never a target either way)
             per = batch["adapter_ids"][batch["labels"] != IGNORE_INDEX]
         out.adapter_tokens = torch.bincount(per[per >= 0], minlength=len(names))
+        if "num_pairs" in batch and CP_KEY in batch:  # every cp rank holds the whole pairs: 1/cp of each
+            out.adapter_tokens = out.adapter_tokens / batch[CP_KEY][1]
         return out
 
     return wrapped

@@ -160,11 +160,10 @@ class TrainStageConfig(StageConfig):
         lora = self.lora
         if not (lora.enabled and lora.multi):
             return self
-        for key in ("cp", "pp"):
-            if getattr(self.parallel, key) > 1:
-                raise ValueError(f"parallel: several adapters (lora.adapter_names) are routed per token of whole "
-                                 f"sequences, which {key}={getattr(self.parallel, key)} splits; set parallel.{key}=1 "
-                                 "(FSDP, DDP and TP run)")
+        if self.parallel.pp > 1:
+            raise ValueError(f"parallel: several adapters (lora.adapter_names) are routed per token, which the "
+                             f"pipeline stages (pp={self.parallel.pp}) do not carry yet; set parallel.pp=1 "
+                             "(FSDP, DDP, TP and CP run)")
         for key in ("mode", "pairs"):
             if getattr(self, key, None) == "on_policy":
                 raise ValueError(f"lora: several adapters with {key}='on_policy', which samples from the policy, is "

@@ -39,7 +39,7 @@ from core.losses import IGNORE_INDEX
 from core.manifest import digest
 from core.model.generate import SamplingParams, generate
 from core.objectives import distill_objective, teacher_topk, topk_distill_objective
-from stages.adapters import adapter_routing, routed, trained_adapters
+from stages.adapters import adapter_routing, per_adapter_loss, routed, trained_adapters
 from stages.common import Dist, StageError, parse_spec
 from stages.recipe import Plan, Session, load_frozen, run_training
 from stages.training import (DeviceLoader, doc_loader, drop_metrics, mean_loss, sampling, sampling_unit, stage_data,
@@ -246,11 +246,16 @@ class Distill:
         if names:  # each document through its adapter (on_policy is refused with several)
             objective, online = routed(objective, names), routed(online, names)
 
+        def val_kl(docs) -> float:
+            val = DeviceLoader(doc_loader(docs, cfg.data, d, epochs=1, evaluation=True), d.device)
+            return mean_loss(student, val, online, d)
+
         def validate() -> dict[str, float]:
             if not val_docs:
                 return {}
-            val = DeviceLoader(doc_loader(val_docs, cfg.data, d, epochs=1, evaluation=True), d.device)
-            return {"val/kl": mean_loss(student, val, online, d)}
+            if names:  # val/kl/<adapter> too
+                return per_adapter_loss(val_docs, names, val_kl, "val/kl")
+            return {"val/kl": val_kl(val_docs)}
 
         def summary() -> dict[str, float]:
             extra = {"on_policy/samples": train.samples} if isinstance(train, OnPolicyMix) else {}

@@ -145,8 +145,19 @@ class DPO:
             objective = routed(objective, trained_adapters(cfg))
         train = DeviceLoader(pair_loader(pairs, cfg, d, epochs=cfg.epochs, extra=attach_ref), d.device)
 
+        names = trained_adapters(cfg)
+
         def validate() -> dict[str, float]:
-            return reward_accuracy(model, val_pairs, objective, cfg, d, ref_val) if val_pairs else {}
+            if not val_pairs:
+                return {}
+            out = reward_accuracy(model, val_pairs, objective, cfg, d, ref_val)
+            for i, name in enumerate(names):  # several adapters: each on its own held-out pairs too
+                idx = [j for j, p in enumerate(val_pairs) if p.adapter == i]
+                if idx:
+                    sub = reward_accuracy(model, [val_pairs[j] for j in idx], objective, cfg, d,
+                                          ref_val[idx] if ref_val is not None else None)
+                    out.update({f"{k}/{name}": v for k, v in sub.items()})
+            return out
 
         return Plan(train, objective, validate, summary=lambda: {"train_pairs": len(pairs), **extra})
 

@@ -211,10 +211,16 @@ def test_dpo_and_distillation_train_several_adapters(root, sft_run):
         for name in ("a", "b"):
             assert any(t.abs().sum() > 0 for key, t in adapter_weights(out, name).items() if "lora_B" in key)
     assert 0 <= d["metrics"]["val/accuracy"] <= 1 and k["metrics"]["val/kl"] < k["metrics"]["val/kl_initial"]
+    for name in ("a", "b"):  # each adapter validated on its own held-out data too
+        assert 0 <= d["metrics"][f"val/accuracy/{name}"] <= 1 and k["metrics"][f"val/kl/{name}"] > 0
+        assert k["metrics"][f"val/kl/{name}"] < k["metrics"][f"val/kl/{name}_initial"]
+    # the overall figures are the per-adapter ones weighted by their pairs / tokens
+    lo, hi = sorted(d["metrics"][f"val/margin/{n}"] for n in ("a", "b"))
+    assert lo - 1e-9 <= d["metrics"]["val/margin"] <= hi + 1e-9
 
 
 @pytest.mark.parametrize("kw,key", [
-    (dict(parallel={"cp": 2}), "parallel"),
+    (dict(parallel={"pp": 2}), "parallel"),
     (dict(lora={**LORA, "adapter_sources": {"a": "nowhere.jsonl"}}), "lora"),
     (dict(lora={**LORA, "adapter_lr": {"c": 1e-3}}), "lora"),
     (dict(lora={**LORA, "modules_to_save": ["embed_tokens"]}), "lora"),
@@ -250,9 +256,10 @@ def test_a_downstream_node_names_one_adapter(root, sft_run):
 @pytest.mark.parametrize("layout,parallel,grad_accum", [
     ("fsdp", {"dp_shard": 2}, 1),
     ("tp_sp", {"tp": 2, "sequence_parallel": True}, 2),
+    ("cp", {"cp": 2}, 2),  # each document's adapter ids cut over the ring with its tokens
 ])
 def test_several_adapters_under_torchrun_match_one_process(root, layout, parallel, grad_accum):
-    """2 gloo processes (FSDP dp_shard=2, or TP + sequence parallelism) against one process with
+    """2 gloo processes (FSDP dp_shard=2, TP + sequence parallelism, or CP) against one process with
     as many micro-batches per step: every step's loss, each adapter's tokens and gradient norm, and
     each exported adapter agree."""
     from tests.test_stage_parallel import close, in_process, steps_of, torchrun_stage

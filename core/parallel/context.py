@@ -232,7 +232,7 @@ def shard_batch(batch: dict, group: dist.ProcessGroup, multiple: int = 1) -> dic
     width = 2 * cp * multiple
     pad = -T % width
     labels = torch.cat([batch["labels"][:, 1:], batch["labels"].new_full((B, 1), IGNORE_INDEX)], dim=1)
-    fill = {"input_ids": 0, "labels": IGNORE_INDEX, "position_ids": 0, "sequence_ids": -1}
+    fill = {"input_ids": 0, "labels": IGNORE_INDEX, "position_ids": 0, "sequence_ids": -1, "adapter_ids": -1}
     out = {k: v for k, v in batch.items() if k not in ("cu_seqlens", "max_seqlen")}  # whole-sequence only
     out["labels"] = labels
     for key, value in list(out.items()):
