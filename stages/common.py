@@ -59,6 +59,7 @@ class Dist:
     device: torch.device
     mesh: Any = None  # core.parallel.ParallelMesh
     pipeline: Any = None  # core.parallel.pipeline.Pipeline: the policy's schedule, under pipeline parallelism
+    lockstep: Any = None  # evaluation of sharded models: the group whose ranks run every forward together
 
     @property
     def is_main(self) -> bool:

@@ -353,12 +353,9 @@ class EvalConfig(StageConfig):
             raise ValueError(f"pass_k={self.pass_k}: every k must be >= 1")
         if max(self.pass_k, default=1) > self.num_samples:
             raise ValueError(f"pass_k={self.pass_k} needs num_samples >= {max(self.pass_k)}")
-        split = [f"parallel.{k}={getattr(self.parallel, k)}" for k in ("pp", "cp", "ep")
-                 if getattr(self.parallel, k) > 1]
-        if split:
-            raise ValueError(f"{', '.join(split)}: evaluation splits the examples over data-parallel ranks, "
-                             "each holding the whole model or, with parallel.tp, a tp group holding it split; "
-                             "set them to 1")
+        if self.parallel.pp > 1:
+            raise ValueError(f"parallel.pp: evaluation does not run pipeline parallelism (pp={self.parallel.pp}); "
+                             "hold each model whole, split by parallel.tp, or sharded by parallel.dp_shard / ep")
         self._check_metrics()
         if self.launcher is not None:
             check_layout(self.parallel, self.launcher)

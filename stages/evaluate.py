@@ -52,22 +52,44 @@ class Model:
         return model.eval()
 
 
+def sharded(cfg: EvalConfig) -> bool:
+    """Whether the models are sharded over the ranks (parallel.dp_shard > 1 set explicitly, cp or
+    ep > 1), so every forward is collective and the ranks score their batches in lockstep; by
+    default (dp_shard -1) each data-parallel rank holds a replica, which is faster when it fits."""
+    p = cfg.parallel
+    return p.dp_shard > 1 or p.cp > 1 or p.ep > 1
+
+
 def load_split(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
     """An evaluated model (or the judge) on this rank: whole, or under parallel.tp > 1 split over
-    its tp group (built on meta, each rank reading its shards); the data-parallel ranks hold
-    replicas and score their own batches. The mesh is made with the first model."""
-    if cfg.parallel.tp == 1:
+    its tp group (built on meta, each rank reading its shards), the data-parallel ranks holding
+    replicas and scoring their own batches; or sharded (`sharded`): FSDP for inference (blocks
+    gathered per forward and freed after), experts spread over ep, ring attention off (cp ranks
+    score whole rows), each rank still scoring its own batches, all in lockstep (d.lockstep). The
+    mesh is made with the first model."""
+    if cfg.parallel.tp == 1 and not sharded(cfg):
         return load_model(model_cfg, d.device, cfg.seed)[0]
+    import torch.distributed as dist
+
     from core.parallel import ParallelDims, ParallelMesh, parallelize
 
     model, _ = load_model(model_cfg, d.device, cfg.seed, meta=True)
+    # ep spreads an MoE's experts; a dense model evaluated beside it is just sharded
+    layout = cfg.parallel if model.args.moe is not None else cfg.parallel.model_copy(update={"ep": 1})
     try:
-        dims = ParallelDims.from_config(cfg.parallel, d.world, model.args)
+        dims = ParallelDims.from_config(layout, d.world, model.args)
+        if d.mesh is None:  # one mesh for every model: the layout as given
+            d.mesh = ParallelMesh(ParallelDims.from_config(cfg.parallel, d.world), d.device.type)
     except ValueError as e:
         raise fail(f"parallel: {e} (model {model_cfg.name_or_path!r})") from None
-    if d.mesh is None:
-        d.mesh = ParallelMesh(dims, d.device.type)
-    parallelize(model.requires_grad_(False), cfg.parallel, d.mesh, data_parallel=False)
+    fsdp = sharded(cfg) and dims.fsdp
+    parallelize(model.requires_grad_(False), cfg.parallel, d.mesh, data_parallel=fsdp)
+    if fsdp:  # inference: each block gathered for its forward only; the root (embedding, head) kept
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)
+    if sharded(cfg) and d.world > 1:
+        d.lockstep = dist.group.WORLD
+        log.info("evaluate: %s sharded over %s (fsdp=%s), the ranks in lockstep", model_cfg.name_or_path, d.mesh, fsdp)
     materialize_model(model, model_cfg, d.device, cfg.seed)
     return model
 

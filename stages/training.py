@@ -131,17 +131,18 @@ def sampling_unit(d: Dist) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def sampling(model, cfg: ParallelConfig):
+def sampling(model, cfg: ParallelConfig, gather: bool = True):
     """Around token-by-token generation from the policy. Under FSDP each unit is gathered once
     and kept for the duration instead of at every forward, so ranks sample without collectives
     (and may stop at different steps); resharded after. Under context parallelism the policy
     attends as an ordinary model meanwhile; under tensor parallelism it decodes without the
-    sequence split, each tp group in lockstep (core.model.generate). Collective: every rank
-    enters it."""
+    sequence split, each tp group in lockstep (core.model.generate). gather=False: FSDP units
+    stay sharded, gathered per forward as in training (a model one rank cannot hold whole;
+    decoding is then collective: generate(lockstep=...)). Collective: every rank enters it."""
     from core.parallel.context import without_context_parallel
     from core.parallel.tensor import decode_without_sequence_parallel
 
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)] if gather else []
     if not units:
         with without_context_parallel(model), decode_without_sequence_parallel(model):
             yield

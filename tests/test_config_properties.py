@@ -299,14 +299,15 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
         fits = True
     except ValueError:
         fits = False
-    model_parallel = any(sizes[k] > 1 for k in ("pp", "cp", "ep"))
-    refused = "pp" if sizes["pp"] > 1 else None  # what the training stages do not run (yet)
-    if node == "evaluate" and model_parallel:  # evaluation is data parallel, with tp inside a replica
-        assert isinstance(got, ConfigError) and f"nodes.{node}: " in str(got) \
-            and "evaluation splits the examples" in str(got), str(got)
-    elif refused and (fits or not own_launcher):  # the stage's own check (before the world's, if both fail)
-        assert isinstance(got, ConfigError) and f"nodes.{node}.parallel" in str(got), str(got)
-        assert fits is False or f"nodes.{node}.parallel.{refused}: " in str(got), str(got)
+    refused = None  # the key the stage's own check names
+    if sizes["pp"] > 1:  # SFT (the teacher node) runs pp on fixed shapes: the demo's batch_tokens are refused
+        if node == "teacher":
+            refused = "parallel.cp" if sizes["cp"] > 1 else "parallel.ep" if sizes["ep"] > 1 else "data.batch_tokens"
+        else:  # distillation, DPO and evaluation do not run pp (yet)
+            refused = "parallel.pp"
+    if refused and (fits or not own_launcher):  # the stage's own check (before the world's, if both fail)
+        assert isinstance(got, ConfigError) and f"nodes.{node}." in str(got), str(got)
+        assert fits is False or f"nodes.{node}.{refused}: " in str(got), str(got)
     elif refused:
         assert isinstance(got, ConfigError) and f"nodes.{node}.parallel" in str(got), str(got)
     elif fits:
@@ -452,8 +453,10 @@ def test_impossible_layout_stops_the_cli_before_any_launch(monkeypatch, capsys):
     assert err.startswith("config error: nodes.dpo.parallel: world size 2") and "(from --set nodes.dpo.parallel.cp=4)" in err
     assert main(["run", "--set", "nodes.dpo.parallel.cp=4"]) == 2  # refused before the flow starts
     assert "config error: nodes.dpo.parallel: world size 2" in capsys.readouterr().err
-    assert main(["run", "--set", "nodes.student.parallel.pp=2"]) == 2  # what the stage cannot run, too
-    assert "config error: nodes.student.parallel.pp: pipeline parallelism" in capsys.readouterr().err
+    assert main(["run", "--set", "nodes.distill.parallel.pp=2"]) == 2  # what the stage cannot run, too
+    assert "config error: nodes.distill.parallel.pp: pipeline parallelism" in capsys.readouterr().err
+    assert main(["run", "--set", "nodes.student.parallel.pp=2"]) == 2  # SFT runs pp, on fixed shapes only
+    assert "config error: nodes.student.data.batch_tokens: pipeline parallelism" in capsys.readouterr().err
     assert main(["config", "--set", "nodes.teacher.output_dir=../../elsewhere"]) == 2
     assert "nodes.teacher.output_dir" in capsys.readouterr().err
 

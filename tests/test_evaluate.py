@@ -97,8 +97,9 @@ def tiny(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("evaluate")
     tok = make_tokenizer()
-    for name, seed in (("alpha", 1), ("beta", 2), ("judge", 3)):
-        save_pretrained(build_model(get_preset("debug", initializer_range=0.2), seed=seed), root / name)
+    for name, seed, preset in (("alpha", 1, "debug"), ("beta", 2, "debug"), ("judge", 3, "debug"),
+                               ("moe", 4, "debug-moe")):
+        save_pretrained(build_model(get_preset(preset, initializer_range=0.2), seed=seed), root / name)
         tok.save_pretrained(root / name)
     return root
 
@@ -429,25 +430,35 @@ def test_selection_and_names():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [{}, {"tp": 2}], ids=["data_parallel", "tp"])
-def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path, parallel):
-    """Sampled generations, perplexity and pairs over 2 torchrun ranks (3 batches: ranks take 2 and 1;
-    or, under tp=2, both ranks every batch with the models split over them) equal one process's:
-    the same samples, the same metrics (log-probs to float rounding)."""
+@pytest.mark.parametrize("parallel,models", [
+    ({}, ("alpha", "beta")),                # replicas; 3 batches: the ranks take 2 and 1
+    ({"tp": 2}, ("alpha", "beta")),         # both ranks every batch, the models split over them
+    ({"dp_shard": 2}, ("alpha", "beta")),   # each model sharded (FSDP), the ranks' batches in lockstep
+    ({"ep": 2}, ("moe", "alpha")),          # an MoE's experts spread over the ranks (the dense one sharded)
+], ids=["data_parallel", "tp", "fsdp", "ep"])
+def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path, parallel, models):
+    """Sampled generations, perplexity and pairs over 2 torchrun ranks equal one process's: the same
+    samples, the same metrics (log-probs to float rounding). Sharded (FSDP, EP), every forward is
+    collective: a rank out of batches runs filler forwards, and decoding goes on until both ranks'
+    rows are done."""
     from stages.evaluate import run
+    from stages.evaluation.plan import model_names
     from stages.launch import Launch
     from stages.launch.config import LauncherConfig
 
-    common = dict(models=[str(tiny / "alpha"), str(tiny / "beta")], data=[str(user_data["file"])], batch_size=2,
+    common = dict(models=[str(tiny / m) for m in models], data=[str(user_data["file"])], batch_size=2,
                   temperature=1.0, num_samples=2, pass_k=[1, 2], max_new_tokens=NEW, tracking=OFF)
     one = run(EvalConfig(output_dir=str(tmp_path / "one"), **common))
     spec = EvalConfig(output_dir=str(tmp_path / "two"), launcher=LauncherConfig(nproc_per_node=2), parallel=parallel,
                       **common)
     result = Launch("evaluate", spec, spec.launcher, workdir=tmp_path / ".launch").start().wait()
-    assert result.ok, Path(result.log_file).read_text()[-3000:]
+    log = Path(result.log_file).read_text()
+    assert result.ok, log[-3000:]
+    assert ("ranks in lockstep" in log) == (set(parallel) & {"dp_shard", "ep"} != set())  # sharded, or not
     two = json.loads((tmp_path / "two" / "manifest.json").read_text())
-    assert set(two["results"]["alpha"]) == set(one["results"]["alpha"]) >= {"pass@2", "perplexity", "win_rate/beta"}
-    for name in ("alpha", "beta"):
+    first, second = (model_names([str(tiny / m) for m in models]))
+    assert set(two["results"][first]) == set(one["results"][first]) >= {"pass@2", "perplexity", f"win_rate/{second}"}
+    for name in (first, second):
         for k, v in one["results"][name].items():
             # generation metrics are equal; log-probs up to float summation order (threads per rank)
             assert two["results"][name][k] == pytest.approx(v, rel=1e-6), k

@@ -237,7 +237,7 @@ def test_evaluation_refuses_model_parallel_layouts():
     from core.config import ConfigError, load_config
     from stages.config import EvalConfig
 
-    with pytest.raises(ConfigError, match="parallel.pp=2: evaluation splits the examples"):
+    with pytest.raises(ConfigError, match=r"^parallel\.pp: evaluation does not run pipeline parallelism \(pp=2\)"):
         load_config(EvalConfig, overrides=["parallel.pp=2"])
 
 

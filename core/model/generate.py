@@ -81,8 +81,12 @@ def _kv_heads(model: Transformer) -> int:
 
 @torch.no_grad()
 def generate(
-    model: Transformer, prompts: list[list[int]], params: SamplingParams, pad_id: int = 0
+    model: Transformer, prompts: list[list[int]], params: SamplingParams, pad_id: int = 0, lockstep=None
 ) -> list[Generation]:
+    """Sample a completion of each prompt (left-padded into one batch). lockstep: a process group
+    whose ranks decode their own prompts with one model sharded over them (FSDP, EP): every
+    forward is collective there, so each rank runs decode steps until all of the group's
+    sequences are done (a rank whose rows are done feeds pad tokens meanwhile)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
     device = model.embed.weight.device
@@ -123,7 +127,13 @@ def generate(
         newly = ~done & torch.isin(token, stop)
         lengths = torch.where(newly, t + 1, lengths)
         done |= newly
-        if bool(done.all()) or t == params.max_new_tokens - 1:
+        finished = done.all()
+        if lockstep is not None:
+            import torch.distributed as dist
+
+            finished = finished.to(torch.int32)
+            dist.all_reduce(finished, op=dist.ReduceOp.MIN, group=lockstep)
+        if bool(finished) or t == params.max_new_tokens - 1:
             break
         mask[:, T0 + t] = 1
         pos = pos + 1

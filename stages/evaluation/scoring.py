@@ -33,6 +33,7 @@ from stages.common import Dist, StageError, resolve_model_dir
 from stages.config import EvalConfig
 from stages.evaluation.metrics import GenRecord
 from stages.evaluation.plan import EvalData, Plan, fail
+from core.parallel.context import without_context_parallel
 from stages.training import sampling, sampling_unit
 
 log = logging.getLogger("posttrain.evaluate")
@@ -40,9 +41,20 @@ log = logging.getLogger("posttrain.evaluate")
 
 def my_batches(n: int, size: int, d: Dist) -> list[range]:
     """This rank's batches of row indices: whole batches, dealt round-robin to the ranks (under
-    tensor parallelism to the tp groups, whose ranks run the same batches together)."""
+    tensor parallelism to the tp groups, whose ranks run the same batches together). With the
+    models sharded over the ranks (d.lockstep) every rank gets as many, a short one empty ranges:
+    it then runs a filler forward (`filler`) whose results are dropped."""
     unit, units = sampling_unit(d)
-    return [range(s, min(s + size, n)) for s in range(0, n, size)][unit::units]
+    batches = [range(s, min(s + size, n)) for s in range(0, n, size)]
+    mine = batches[unit::units]
+    if d.lockstep is not None:
+        mine += [range(0)] * (-(-len(batches) // units) - len(mine))
+    return mine
+
+
+def filler(pad_id: int) -> Document:
+    """A two-token document with no target: what a rank with nothing to score runs in lockstep."""
+    return Document([pad_id, pad_id], [IGNORE_INDEX, IGNORE_INDEX])
 
 
 def sample_seed(seed: int, batch_start: int, repetition: int) -> int:
@@ -181,25 +193,30 @@ def generate_records(model, tok, enc: Encoded, data: EvalData, cfg: EvalConfig, 
                      advance: Callable) -> tuple[dict[int, GenRecord], list[str]]:
     """{row: GenRecord} of this rank's prompts, and the errors the scorer raised (which stop it)."""
     out: dict[int, GenRecord] = {}
+    errors: list[str] = []
     stop = tuple(sorted(tok.eos_ids))
     pad = tok.pad_id if tok.pad_id is not None else 0
     for batch in my_batches(len(data.prompts), cfg.batch_size, d):
         texts: list[list[str]] = [[] for _ in batch]
+        prompts = [enc.prompt_ids[i] for i in batch] or [[pad]]  # a lockstep filler: one dummy row
         for k in range(cfg.num_samples):
             params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                     stop_token_ids=stop, seed=sample_seed(cfg.seed, batch.start, k))
-            with sampling(model, cfg.parallel):
-                gens = generate(model, [enc.prompt_ids[i] for i in batch], params, pad_id=pad)
+            with sampling(model, cfg.parallel, gather=d.lockstep is None):
+                gens = generate(model, prompts, params, pad_id=pad, lockstep=d.lockstep)
             for t, g in zip(texts, gens):
                 t.append(tok.decode(g.tokens, skip_special_tokens=True))
         for i, t in zip(batch, texts):
             row = data.prompts[i]
             try:
-                out[i] = scorer(row, t)
+                if not errors:
+                    out[i] = scorer(row, t)
             except Exception as e:  # the user's verifier
-                return out, [f"{row.where}: verifier {scorer.spec!r} failed: {type(e).__name__}: {e}"]
+                errors.append(f"{row.where}: verifier {scorer.spec!r} failed: {type(e).__name__}: {e}")
+                if d.lockstep is None:  # alone, stop now; in lockstep the others still need this rank's forwards
+                    return out, errors
         advance(len(batch) * cfg.num_samples)
-    return out, []
+    return out, errors
 
 
 @torch.no_grad()
@@ -214,7 +231,8 @@ def sequence_logps(model, docs: list[Document], pad_id: int) -> list[tuple[float
         n = len(doc)
         ids[b, :n], labels[b, :n], mask[b, :n] = torch.tensor(doc.input_ids), torch.tensor(doc.labels), 1
     batch = {"input_ids": ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
-    sums = token_logps(model, batch).double().sum(-1).tolist()
+    with without_context_parallel(model):  # whole padded rows on each rank (ring attention off)
+        sums = token_logps(model, batch).double().sum(-1).tolist()
     counts = (labels[:, 1:] != IGNORE_INDEX).sum(-1).tolist()
     return [(float(s), int(c)) for s, c in zip(sums, counts)]
 
@@ -227,6 +245,8 @@ def completion_nll(model, tok, enc: Encoded, cfg: EvalConfig, d: Dist, advance: 
         if idx:
             for i, (s, n) in zip(idx, sequence_logps(model, [enc.docs[i] for i in idx], tok.pad_id or 0)):
                 out[i] = (-s, n)
+        elif d.lockstep is not None:
+            sequence_logps(model, [filler(tok.pad_id or 0)], tok.pad_id or 0)
         advance(len(batch))
     return out
 
@@ -241,6 +261,8 @@ def pair_logps(model, tok, enc: Encoded, cfg: EvalConfig, d: Dist, advance: Call
             logps = sequence_logps(model, docs, tok.pad_id or 0)
             for j, i in enumerate(idx):
                 out[i] = (logps[j][0], logps[len(idx) + j][0])
+        elif d.lockstep is not None:
+            sequence_logps(model, [filler(tok.pad_id or 0)], tok.pad_id or 0)
         advance(len(batch))
     return out
 
@@ -257,6 +279,7 @@ def judge_scores(judge, tok, data: EvalData, gen: dict[str, dict[int, GenRecord]
     this rank's prompts (-inf for a completion with no token to score), and any errors."""
     kwargs = template_kwargs(cfg)
     out: dict[int, dict[str, list[float]]] = {}
+    errors: list[str] = []
     for batch in my_batches(len(data.prompts), cfg.batch_size, d):
         slots, docs = [], []
         for i in batch:
@@ -266,15 +289,27 @@ def judge_scores(judge, tok, data: EvalData, gen: dict[str, dict[int, GenRecord]
                     try:
                         docs.append(judge_document(tok, row.prompt, text, kwargs))
                     except Exception as e:
-                        return out, [f"{row.where}: the judge's tokenizer ({tok.origin}) cannot encode a completion "
-                                     f"of {name}: {type(e).__name__}: {e}"]
+                        errors.append(f"{row.where}: the judge's tokenizer ({tok.origin}) cannot encode a "
+                                      f"completion of {name}: {type(e).__name__}: {e}")
+                        if d.lockstep is None:
+                            return out, errors
                     slots.append((i, name))
+        if errors:  # (lockstep: keep the group's forwards going, score nothing more)
+            docs, slots = [], []
         scored: list[tuple[float, int]] = []
-        for s in range(0, len(docs), cfg.batch_size):
-            scored += sequence_logps(judge, docs[s : s + cfg.batch_size], tok.pad_id or 0)
+        starts = list(range(0, len(docs), cfg.batch_size))
+        if d.lockstep is not None:  # as many forwards as the rank with the most documents
+            most = torch.tensor(len(starts))
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=d.lockstep)
+            starts += [None] * (int(most) - len(starts))
+        for s in starts:
+            if s is None:
+                sequence_logps(judge, [filler(tok.pad_id or 0)], tok.pad_id or 0)
+            else:
+                scored += sequence_logps(judge, docs[s : s + cfg.batch_size], tok.pad_id or 0)
         for (i, name), (total, n) in zip(slots, scored):
             out.setdefault(i, {}).setdefault(name, []).append(total / n if n else -math.inf)
-    return out, []
+    return out, errors
 
 
 # ------------------------------------------------------------------------------------ ranks
