@@ -20,6 +20,7 @@ rejected of a pair meet in one loss on every rank, each rank taking 1/cp of it.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 
 from core.data.packing import sequence_sums
 from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk, dpo_loss
+from core.losses import token_logps as core_token_logps
 from core.model.moe import routed_tokens
 from core.parallel.context import CP_KEY, shard_batch, shard_like, sum_over_shards
 from core.parallel.losses import (vocab_parallel_cross_entropy, vocab_parallel_distill_loss,
@@ -312,6 +314,31 @@ def pipeline_rows(batch: dict[str, Any], rows: int, seq_len: int) -> tuple[torch
     return out_ids, out_pos, target, (target != IGNORE_INDEX).sum(1)
 
 
+class PipelineLoss:
+    """The schedule's loss_fn (fixed when the schedule is built): the last stage's loss of one
+    microbatch, `fn(logits, target)`, which an objective may swap for its step (`using`)."""
+
+    def __init__(self, fn: Callable, tp_group: dist.ProcessGroup | None = None):
+        self.fn, self.tp_group = fn, tp_group
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.fn(logits, target)
+
+    @contextlib.contextmanager
+    def using(self, fn: Callable):
+        prev, self.fn = self.fn, fn
+        try:
+            yield
+        finally:
+            self.fn = prev
+
+    def row_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed log-probs of each row's (already shifted) target tokens, (rows,)."""
+        if self.tp_group is not None:
+            return vocab_parallel_token_logps(logits, labels, self.tp_group, shift=False).sum(-1)
+        return core_token_logps(logits.float(), labels, shift=False).sum(-1)
+
+
 def pipelined_sft(pipe, rows: int, seq_len: int, pp_group: dist.ProcessGroup) -> Callable:
     """sft_objective under pipeline parallelism, for the Trainer: each micro-batch (padded rows,
     `pipeline_rows`) runs the schedule's forward and backward over its microbatches (forward only
@@ -328,4 +355,96 @@ def pipelined_sft(pipe, rows: int, seq_len: int, pp_group: dist.ProcessGroup) ->
         loss = losses.sum().float() if losses is not None else torch.zeros((), device=ids.device)
         dist.all_reduce(loss, group=pp_group)  # only the last stage had it
         return LossOutput(loss, per_row.sum(), backward_done=train)
+    return objective
+
+
+def _pair_rows(batch: dict[str, Any], rows: int, seq_len: int):
+    """A padded preference batch (chosen rows first, then rejected) as pipeline rows with each
+    pair's chosen and rejected side by side (c0, r0, c1, r1, ...), so a pipeline microbatch of an
+    even number of rows holds whole pairs: (pipeline_rows' tensors, the row order taken)."""
+    n = batch["num_pairs"]
+    order = torch.arange(2 * n, device=batch["input_ids"].device).view(2, n).t().reshape(-1)
+    picked = {k: batch[k][order] for k in ("input_ids", "position_ids", "labels")}
+    return pipeline_rows(picked, rows, seq_len), order
+
+
+def _last_stage(pp_group: dist.ProcessGroup) -> int:
+    return dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
+
+
+@torch.no_grad()
+def pipeline_pair_logps(pipe, batch: dict[str, Any], rows: int, seq_len: int, pp_group: dist.ProcessGroup
+                        ) -> torch.Tensor:
+    """pair_logps' summed log-probs (2N,), chosen first, of a padded preference batch under
+    pipeline parallelism: one forward-only pass of the schedule, on every rank (sent from the
+    last stage)."""
+    (ids, pos, target, _), _ = _pair_rows(batch, rows, seq_len)
+    got: list[torch.Tensor] = []
+
+    def stash(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        got.append(pipe.loss.row_logps(logits, labels).float())
+        return torch.zeros((), device=logits.device)
+
+    with pipe.loss.using(stash):
+        pipe.step(ids, pos, target=target, backward=False)
+    logps = torch.cat(got) if got else torch.zeros(rows, device=ids.device)
+    dist.broadcast(logps, _last_stage(pp_group), group=pp_group)
+    n = batch["num_pairs"]
+    return logps[:2 * n].view(n, 2).t().reshape(-1)
+
+
+def pipelined_dpo(pipe, rows: int, seq_len: int, pp_group: dist.ProcessGroup, beta: float, loss_type: str = "sigmoid",
+                  label_smoothing: float = 0.0, simpo_gamma: float = 0.5, sft_weight: float = 0.0,
+                  reference: str = "batch") -> Callable:
+    """dpo_objective under pipeline parallelism: each micro-batch of pairs (padded rows, chosen
+    and rejected side by side: `_pair_rows`) runs the schedule, the last stage's loss of a
+    microbatch the DPO loss summed over its pairs (filler pairs weigh 0), the reference log-probs
+    riding in the target beside the labels: `reference` "batch" (precomputed, batch["ref_logps"]),
+    "disable_adapter" (the LoRA base: a forward-only pass first) or "none" (SimPO). The loss and
+    the reward metrics are then shared over the stages."""
+
+    def objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
+        from core.lora import disable_adapter
+
+        n, train = batch["num_pairs"], torch.is_grad_enabled()
+        ref = None
+        if reference == "disable_adapter":
+            with disable_adapter(model):
+                ref = pipeline_pair_logps(pipe, batch, rows, seq_len, pp_group)
+        elif reference == "batch":
+            ref = batch["ref_logps"]
+        (ids, pos, labels, _), order = _pair_rows(batch, rows, seq_len)
+        R, L = labels.shape
+        target = torch.zeros(R, L + 2, dtype=torch.float64, device=ids.device)
+        target[:, :L] = labels
+        if ref is not None:
+            target[:2 * n, L] = ref.to(ids.device, torch.float64)[order]
+        target[:2 * n, L + 1] = 1  # real pairs (the rest fill the fixed shape)
+        sums: list[torch.Tensor] = []
+
+        def dpo_fn(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            lab = t[:, :L].long()
+            logps = pipe.loss.row_logps(logits, lab)
+            lengths = (lab != IGNORE_INDEX).sum(-1).to(logps.dtype)
+            rc, rr = (t[0::2, L].to(logps.dtype), t[1::2, L].to(logps.dtype)) if ref is not None else (None, None)
+            out = dpo_loss(logps[0::2], logps[1::2], rc, rr, beta=beta, loss_type=loss_type,
+                           label_smoothing=label_smoothing, simpo_gamma=simpo_gamma, chosen_lengths=lengths[0::2],
+                           rejected_lengths=lengths[1::2], sft_weight=sft_weight)
+            real = t[0::2, L + 1].to(logps.dtype)
+            sums.append(torch.stack([(out.chosen_rewards * real).sum(), (out.rejected_rewards * real).sum(),
+                                     (out.margins * real).sum(),
+                                     ((out.chosen_rewards > out.rejected_rewards) * real).sum()]).double())
+            return (out.losses * real).sum()
+
+        with pipe.loss.using(dpo_fn):
+            losses = pipe.step(ids, pos, target=target, backward=train)
+        stats = torch.zeros(5, dtype=torch.float64, device=ids.device)
+        if losses is not None:
+            stats[0] = losses.sum().double()
+            stats[1:] = torch.stack(sums).sum(0)
+        dist.all_reduce(stats, group=pp_group)  # only the last stage had them
+        metrics = {k: float(v) / n for k, v in zip(("rewards/chosen", "rewards/rejected", "rewards/margin",
+                                                     "rewards/accuracy"), stats[1:])}
+        return LossOutput(stats[0].float(), n, metrics, backward_done=train)
+
     return objective

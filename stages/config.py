@@ -124,10 +124,14 @@ class TrainStageConfig(StageConfig):
         core.parallel itself cannot take are checked against the world and the model)."""
         p = self.parallel
         if p.pp > 1 and not self.pipeline_parallel:
-            raise ValueError(f"parallel.pp: pipeline parallelism (pp={p.pp}) runs in the SFT stage only yet, not in "
-                             "distillation, DPO or evaluation; set parallel.pp=1 and shard with FSDP, TP or CP instead")
+            raise ValueError(f"parallel.pp: pipeline parallelism (pp={p.pp}) runs in SFT and offline DPO only yet, "
+                             "not in distillation or evaluation; set parallel.pp=1 and shard with FSDP, TP or CP instead")
         if p.pp > 1:
             self._check_pipeline()
+
+    def pipeline_rows(self) -> int:
+        """Rows of one micro-batch under pipeline parallelism (the schedule's fixed shape)."""
+        return self.data.micro_batch_size
 
     def _check_pipeline(self) -> None:
         """What pipeline parallelism needs: fixed (rows, tokens) microbatches, and dimensions it
@@ -243,6 +247,11 @@ class DistillConfig(TrainStageConfig):
 
 
 class DPOConfig(TrainStageConfig):
+    pipeline_parallel: ClassVar[bool] = True  # offline pairs; the reference precomputed or the LoRA base
+
+    def pipeline_rows(self) -> int:
+        return 2 * self.data.micro_batch_size  # a pair's chosen and rejected rows
+
     lora: LoRAConfig = Field(LoRAConfig(enabled=True), description="Adapters; the base is the reference.")
     optim: OptimConfig = Field(OptimConfig(lr=5e-5), description="Optimizer; DPO wants a small lr.")
     data: DataConfig = Field(DataConfig(format="preference"), description="Pairs, or prompts (on_policy).")
@@ -281,6 +290,12 @@ class DPOConfig(TrainStageConfig):
                 raise ValueError("reference='disable_adapter' with PiSSA init is not the original model")
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
             raise ValueError(f"label_smoothing applies to loss_type sigmoid/robust, not {self.loss_type!r}")
+        if self.parallel.pp > 1 and self.pairs == "on_policy":
+            raise ValueError(f"parallel.pp: on-policy DPO samples from the policy, which does not run under pipeline "
+                             f"parallelism (pp={self.parallel.pp}) yet; sample with pp=1, or train on offline pairs")
+        if self.parallel.pp > 1 and self.reference == "model" and self.loss_type != "simpo":
+            raise ValueError(f"reference: 'model' (a frozen copy beside the policy) does not run under pipeline "
+                             f"parallelism (pp={self.parallel.pp}) yet; use 'precomputed' or 'disable_adapter'")
         return self
 
 

@@ -24,12 +24,12 @@ from stages.config import DPOConfig
 from core.data.encode import PreferencePair
 from core.lora import disable_adapter
 from core.manifest import digest
-from core.objectives import dpo_objective, pair_logps
+from core.objectives import dpo_objective, pair_logps, pipeline_pair_logps, pipelined_dpo
 from stages.adapters import adapter_routing, routed, trained_adapters
 from stages.common import Dist, StageError, parse_spec
 from stages.on_policy import on_policy_pairs
 from stages.recipe import Plan, Session, load_frozen, run_training
-from stages.training import DeviceLoader, drop_metrics, pair_loader, stage_data, to_device
+from stages.training import DeviceLoader, drop_metrics, pair_loader, pipeline_of, stage_data, to_device
 
 log = logging.getLogger("posttrain.dpo")
 
@@ -49,8 +49,14 @@ def reference_logps(model, pairs: list[PreferencePair], cfg: DPOConfig, d: Dist,
     model.eval()
     out = []
     for i in range(0, len(pairs), cfg.data.micro_batch_size):
-        batch = to_device(collate_preference(pairs[i : i + cfg.data.micro_batch_size]), d.device)
-        logps, _ = pair_logps(model, batch)
+        pipe = pipeline_of(d)
+        batch = to_device(collate_preference(pairs[i : i + cfg.data.micro_batch_size], padding_free=pipe is None),
+                          d.device)
+        if pipe is not None:  # a forward-only pass of the schedule, the log-probs sent from the last stage
+            logps = pipeline_pair_logps(pipe, batch, cfg.pipeline_rows(), cfg.data.max_seq_len,
+                                        d.mesh.group("pp"))
+        else:
+            logps, _ = pair_logps(model, batch)
         n = batch["num_pairs"]
         out.append(torch.stack([logps[:n], logps[n:]], dim=1).float().cpu())
     model.train(was)
@@ -77,7 +83,8 @@ def reward_accuracy(model, pairs: list[PreferencePair], objective, cfg: DPOConfi
     for i in range(0, len(range(0, len(pairs), world)), cfg.data.micro_batch_size):
         units = mine[i : i + cfg.data.micro_batch_size]
         n, units = len(units), units or [0]
-        batch = to_device(collate_preference([pairs[u] for u in units]), d.device)
+        batch = to_device(collate_preference([pairs[u] for u in units], padding_free=pipeline_of(d) is None),
+                          d.device)
         if ref is not None:
             batch["ref_logps"] = torch.cat([ref[units, 0], ref[units, 1]]).to(d.device)
         out = objective(model, batch)
@@ -141,6 +148,12 @@ class DPO:
 
         objective = dpo_objective(cfg.beta, cfg.loss_type, cfg.label_smoothing, cfg.simpo_gamma, cfg.sft_weight,
                                   reference=reference)
+        pipe = pipeline_of(d)
+        if pipe is not None:  # the schedule runs each micro-batch's pairs as microbatches
+            ref_mode = "none" if cfg.loss_type == "simpo" else "batch" if ref_train is not None else "disable_adapter"
+            objective = pipelined_dpo(pipe, cfg.pipeline_rows(), cfg.data.max_seq_len, d.mesh.group("pp"),
+                                      cfg.beta, cfg.loss_type, cfg.label_smoothing, cfg.simpo_gamma, cfg.sft_weight,
+                                      reference=ref_mode)
         if trained_adapters(cfg):  # each pair through its adapter; the reference stays the base
             objective = routed(objective, trained_adapters(cfg))
         train = DeviceLoader(pair_loader(pairs, cfg, d, epochs=cfg.epochs, extra=attach_ref), d.device)

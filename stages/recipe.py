@@ -189,8 +189,8 @@ def parallelize_stages(model: Transformer, cfg: TrainStageConfig, mesh: Parallel
     (core.parallel.pipeline.keep_own_stages; `model.pipeline` is the schedule). Every step runs
     on micro-batches of data.micro_batch_size padded rows of data.max_seq_len tokens (the
     schedule's fixed shapes; the config checked they divide), the loss a token sum normalized by
-    the trainer (core.objectives.pipelined_sft)."""
-    from core.objectives import pipeline_token_loss
+    the trainer (core.objectives.pipelined_sft, pipelined_dpo)."""
+    from core.objectives import PipelineLoss, pipeline_token_loss
     from core.parallel import parallelize_pipeline
     from core.parallel.pipeline import keep_own_stages
 
@@ -199,11 +199,13 @@ def parallelize_stages(model: Transformer, cfg: TrainStageConfig, mesh: Parallel
         raise StageError(f"parallel.pp={p.pp} with a mixture-of-experts model: the padded rows a pipeline runs on "
                          "would count in the load balancing; not supported in the stages yet (use EP x FSDP)")
     microbatches = p.pp_microbatches or p.pp
-    loss_fn = pipeline_token_loss(mesh.group("tp") if mesh.dims.tp > 1 else None)
-    pipe = parallelize_pipeline(model, p, mesh, loss_fn, d.device, cfg.data.micro_batch_size // microbatches,
+    tp = mesh.group("tp") if mesh.dims.tp > 1 else None
+    loss_fn = PipelineLoss(pipeline_token_loss(tp), tp)  # SFT's; DPO swaps in its own per step
+    pipe = parallelize_pipeline(model, p, mesh, loss_fn, d.device, cfg.pipeline_rows() // microbatches,
                                 cfg.data.max_seq_len, packed=True, scale_grads=False,
                                 activation_checkpointing=cfg.model.activation_checkpointing,
                                 compile=cfg.model.compile)
+    pipe.loss = loss_fn
     keep_own_stages(model, pipe)
     d.pipeline = pipe
 

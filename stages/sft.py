@@ -27,7 +27,7 @@ class SFT:
         objective = routed(sft_objective, names) if names else sft_objective
         pipe = pipeline_of(d)
         if pipe is not None:  # the schedule runs forward and backward over its microbatches
-            objective = pipelined_sft(pipe, cfg.data.micro_batch_size, cfg.data.max_seq_len, d.mesh.group("pp"))
+            objective = pipelined_sft(pipe, cfg.pipeline_rows(), cfg.data.max_seq_len, d.mesh.group("pp"))
 
         def val_loss(docs) -> float:
             val = DeviceLoader(doc_loader(docs, cfg.data, d, epochs=1, evaluation=True), d.device)

@@ -86,7 +86,8 @@ def pipeline_of(d: Dist):
 def pair_loader(pairs: list[PreferencePair], cfg: TrainStageConfig, d: Dist, epochs: int | None,
                 extra: Callable[[list[int], dict], None] | None = None) -> StatefulLoader:
     rank, world = d.data_shard
-    loader = build_loader(pairs, cfg.data, rank=rank, world_size=world, num_epochs=epochs)
+    loader = build_loader(pairs, cfg.data, rank=rank, world_size=world, num_epochs=epochs,
+                          padding_free=pipeline_of(d) is None)  # pipeline parallelism: padded rows
     if extra is not None:
         collate = loader.collate
 

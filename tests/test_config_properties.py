@@ -300,10 +300,15 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
     except ValueError:
         fits = False
     refused = None  # the key the stage's own check names
-    if sizes["pp"] > 1:  # SFT (the teacher node) runs pp on fixed shapes: the demo's batch_tokens are refused
-        if node == "teacher":
-            refused = "parallel.cp" if sizes["cp"] > 1 else "parallel.ep" if sizes["ep"] > 1 else "data.batch_tokens"
-        else:  # distillation, DPO and evaluation do not run pp (yet)
+    if sizes["pp"] > 1:
+        if node in ("teacher", "dpo"):  # SFT and DPO run pp: first what pp does not combine with, then shapes
+            refused = "parallel.cp" if sizes["cp"] > 1 else "parallel.ep" if sizes["ep"] > 1 else None
+            if refused is None and node == "teacher":  # the demo's batch_tokens: pp runs fixed shapes
+                refused = "data.batch_tokens"
+            elif refused is None:  # the pairs of a micro-batch, cut into pp microbatches; then: on-policy
+                pairs = DEFAULT["nodes"]["dpo"]["data"]["micro_batch_size"]
+                refused = "data.micro_batch_size" if pairs % sizes["pp"] else "parallel.pp"
+        else:  # distillation and evaluation do not run pp (yet)
             refused = "parallel.pp"
     if refused and (fits or not own_launcher):  # the stage's own check (before the world's, if both fail)
         assert isinstance(got, ConfigError) and f"nodes.{node}." in str(got), str(got)
