@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.data.packing import sequence_sums
-from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk, dpo_loss
+from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss, distill_loss_topk, dpo_loss
 from core.losses import token_logps as core_token_logps
 from core.model.moe import routed_tokens
 from core.parallel.context import CP_KEY, shard_batch, shard_like, sum_over_shards
@@ -446,5 +446,51 @@ def pipelined_dpo(pipe, rows: int, seq_len: int, pp_group: dist.ProcessGroup, be
         metrics = {k: float(v) / n for k, v in zip(("rewards/chosen", "rewards/rejected", "rewards/margin",
                                                      "rewards/accuracy"), stats[1:])}
         return LossOutput(stats[0].float(), n, metrics, backward_done=train)
+
+    return objective
+
+
+def pipelined_distill(pipe, teacher_pipe, rows: int, seq_len: int, pp_group: dist.ProcessGroup,
+                      kind: str = "forward_kl", temperature: float = 1.0, beta: float = 0.5, ce_weight: float = 0.0,
+                      teacher_phase: Callable[[], Any] | None = None) -> Callable:
+    """distill_objective under pipeline parallelism: the teacher, split into the same stages
+    (stages.recipe.parallelize_frozen), runs each micro-batch's rows forward-only first, its last
+    stage keeping each microbatch's logits; then the student's schedule runs, its last stage's loss
+    of a microbatch the divergence to those logits summed over the microbatch's target positions
+    (+ ce_weight x the token cross entropy), vocab-parallel under tensor parallelism.
+    teacher_phase: a context manager timing the teacher's pass (the throughput meter's phase)."""
+
+    def objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
+        ids, pos, target, per_row = pipeline_rows(batch, rows, seq_len)
+        train = torch.is_grad_enabled()
+        teacher_logits: list[torch.Tensor] = []
+
+        def keep(logits: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+            teacher_logits.append(logits.detach())
+            return logits.new_zeros(())
+
+        with torch.no_grad(), teacher_pipe.loss.using(keep), \
+                (teacher_phase() if teacher_phase is not None else contextlib.nullcontext()):
+            teacher_pipe.step(ids, pos, target=target, backward=False)
+        queue = iter(teacher_logits)  # the schedules run the last stage's microbatches in order
+        group = pipe.loss.tp_group
+
+        def kd(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            t_logits, mask = next(queue).to(logits.dtype), t != IGNORE_INDEX
+            if group is not None:
+                loss = vocab_parallel_distill_loss(logits, t_logits, group, kind, temperature, beta, mask,
+                                                   reduction="sum")
+                ce = (lambda: vocab_parallel_cross_entropy(logits, t, group, reduction="sum", shift=False))
+            else:
+                loss = distill_loss(logits, t_logits, kind, temperature, beta, mask=mask, reduction="sum")
+                ce = (lambda: F.cross_entropy(logits.flatten(0, 1).float(), t.flatten(), ignore_index=IGNORE_INDEX,
+                                              reduction="sum"))
+            return loss + ce_weight * ce() if ce_weight else loss
+
+        with pipe.loss.using(kd):
+            losses = pipe.step(ids, pos, target=target, backward=train)
+        loss = losses.sum().float() if losses is not None else torch.zeros((), device=ids.device)
+        dist.all_reduce(loss, group=pp_group)  # only the last stage had it
+        return LossOutput(loss, per_row.sum(), backward_done=train)
 
     return objective

@@ -10,7 +10,7 @@ TrackingConfig (core.tracking), LauncherConfig (stages.launch.config)."""
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -108,7 +108,6 @@ class TrainStageConfig(StageConfig):
 
     _model = field_validator("model", mode="before")(model_shorthand)
     _data = field_validator("data", mode="before")(data_shorthand)
-    pipeline_parallel: ClassVar[bool] = False  # whether the stage runs under parallel.pp > 1
 
     @model_validator(mode="after")
     def _check_train(self) -> TrainStageConfig:
@@ -123,9 +122,6 @@ class TrainStageConfig(StageConfig):
         """ValueError naming the key when this stage cannot run under cfg.parallel (the layouts
         core.parallel itself cannot take are checked against the world and the model)."""
         p = self.parallel
-        if p.pp > 1 and not self.pipeline_parallel:
-            raise ValueError(f"parallel.pp: pipeline parallelism (pp={p.pp}) runs in SFT and offline DPO only yet, "
-                             "not in distillation or evaluation; set parallel.pp=1 and shard with FSDP, TP or CP instead")
         if p.pp > 1:
             self._check_pipeline()
 
@@ -183,7 +179,6 @@ class TrainStageConfig(StageConfig):
 
 class SFTConfig(TrainStageConfig):
     data: DataConfig = Field(DataConfig(format="sft"), description="Prompt/response or chat data.")
-    pipeline_parallel: ClassVar[bool] = True
 
 
 class TeacherConfig(ModelConfig):
@@ -216,20 +211,22 @@ class DistillConfig(TrainStageConfig):
     def _check_distill(self) -> DistillConfig:
         if self.mode == "offline" and self.top_k is None:
             raise ValueError("mode='offline' stores teacher logits per token; set top_k (e.g. 64)")
+        if self.parallel.pp > 1 and self.mode != "online":
+            raise ValueError(f"mode: {self.mode!r} distillation does not run under pipeline parallelism "
+                             f"(pp={self.parallel.pp}) yet (it samples, or reads the top-k cache per document); "
+                             "use mode='online', or pp=1")
         return self
 
     def check_stage_layout(self) -> None:
         super().check_stage_layout()
         t = self.teacher.parallel
         if t is not None:
-            for key in ("tp", "cp"):
+            for key in ("tp", "cp", "pp"):
                 if getattr(t, key) != getattr(self.parallel, key):
                     raise ValueError(f"teacher.parallel.{key}: {getattr(t, key)}, but the student's parallel.{key} is "
                                      f"{getattr(self.parallel, key)}; the distillation loss meets teacher and student "
-                                     "on the same vocab slices and sequence chunks, so they must be equal")
-            if t.pp > 1:
-                raise ValueError(f"teacher.parallel.pp: pipeline parallelism (pp={t.pp}) does not run in the "
-                                 "training stages yet; set teacher.parallel.pp=1")
+                                     "on the same vocab slices, sequence chunks and last pipeline stage, so they must "
+                                     "be equal")
             if self.launcher is not None:
                 try:
                     check_layout(t, self.launcher)
@@ -247,7 +244,6 @@ class DistillConfig(TrainStageConfig):
 
 
 class DPOConfig(TrainStageConfig):
-    pipeline_parallel: ClassVar[bool] = True  # offline pairs; the reference precomputed or the LoRA base
 
     def pipeline_rows(self) -> int:
         return 2 * self.data.micro_batch_size  # a pair's chosen and rejected rows

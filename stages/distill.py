@@ -38,12 +38,12 @@ from core.data.packing import collate_padding_free
 from core.losses import IGNORE_INDEX
 from core.manifest import digest
 from core.model.generate import SamplingParams, generate
-from core.objectives import distill_objective, teacher_topk, topk_distill_objective
+from core.objectives import distill_objective, pipelined_distill, teacher_topk, topk_distill_objective
 from stages.adapters import adapter_routing, per_adapter_loss, routed, trained_adapters
 from stages.common import Dist, StageError, parse_spec
 from stages.recipe import Plan, Session, load_frozen, run_training
-from stages.training import (DeviceLoader, doc_loader, drop_metrics, mean_loss, sampling, sampling_unit, stage_data,
-                             to_device)
+from stages.training import (DeviceLoader, doc_loader, drop_metrics, mean_loss, pipeline_of, sampling, sampling_unit,
+                             stage_data, to_device)
 
 log = logging.getLogger("posttrain.distill")
 
@@ -239,6 +239,11 @@ class Distill:
             train = DeviceLoader(base, d.device)
         elif cfg.mode == "on_policy":
             objective, train = online, OnPolicyMix(DeviceLoader(base, d.device), s, prompts)
+        elif pipeline_of(d) is not None:  # both split into the same stages: each micro-batch runs both schedules
+            online = pipelined_distill(pipeline_of(d), teacher.pipeline, cfg.pipeline_rows(), cfg.data.max_seq_len,
+                                       d.mesh.group("pp"), cfg.divergence, cfg.temperature, cfg.jsd_beta,
+                                       cfg.ce_weight, teacher_phase=lambda: s.phase("teacher"))
+            objective, train = online, DeviceLoader(base, d.device)
         else:
             objective, train = online, DeviceLoader(base, d.device)
 

@@ -238,6 +238,21 @@ def parallelize_frozen(model: Transformer, layout: ParallelConfig, d: Dist, comp
     except ValueError as e:
         raise StageError(f"{what}.parallel: {e}") from None
     mesh = d.mesh if dims == d.mesh.dims else ParallelMesh(dims, d.device.type)
+    if dims.pp > 1:  # split into stages like the policy, forward-only: its logits land on the same last stage
+        from core.objectives import PipelineLoss
+        from core.parallel import parallelize_pipeline
+        from core.parallel.pipeline import keep_own_stages
+
+        if d.pipeline is None:
+            raise StageError(f"{what}.parallel.pp={dims.pp}: only beside a policy under the same pipeline parallelism")
+        loss = PipelineLoss(lambda logits, target: logits.new_zeros(()), mesh.group("tp") if dims.tp > 1 else None)
+        pipe = parallelize_pipeline(model, layout, mesh, loss, d.device, d.pipeline.microbatch_size,
+                                    d.pipeline.seq_len, packed=True, scale_grads=False, compile=compile,
+                                    data_parallel=dims.fsdp)
+        pipe.loss = loss
+        keep_own_stages(model, pipe)
+        log.info("%s split into pipeline stages over %s", what, mesh)
+        return model
     # DDP has nothing to synchronize without gradients: replicas stay plain copies
     parallelize(model, layout, mesh, compile=compile, data_parallel=dims.fsdp)
     if dims.fsdp:

@@ -13,8 +13,8 @@ SFT under FSDP, TP+SP, CP x TP, EP x FSDP / EP x TP (an MoE model), EP x TP with
 experts, PP, PP x FSDP and PP x TP (LoRA), and a killed and resumed run under FSDP, TP and PP
 bitwise equal to the uninterrupted one; QLoRA under FSDP and under TP; DPO under CP x FSDP,
 EP x FSDP, PP (reference: the LoRA base) and PP x FSDP (precomputed), on-policy under CP and TP; online distillation with the teacher laid out as the student
-under CP and TP, with a layout of its own (sharded while the student replicates), and of an MoE
-student under EP x FSDP; GKD (on-policy) under CP and TP; offline distillation under FSDP (the
+under CP and TP, with a layout of its own (sharded while the student replicates), of an MoE
+student under EP x FSDP, and under PP x TP (the teacher split into the same stages); GKD (on-policy) under CP and TP; offline distillation under FSDP (the
 teacher's cache scored by both ranks) and TP (top-k of the vocab-split logits).
 """
 
@@ -90,12 +90,12 @@ def dpo_config(root: Path, name: str, **kw) -> DPOConfig:
                      max_steps=STEPS, eval_interval=0, checkpoint={"interval_steps": 0}, **kw)
 
 
-def distill_config(root: Path, name: str, **kw) -> DistillConfig:
+def distill_config(root: Path, name: str, data: dict | None = None, **kw) -> DistillConfig:
     kw.setdefault("mode", "online")
+    data = {"sources": [str(root / "data")], "batch_tokens": 256, "max_seq_len": 128, **(data or {})}
     return DistillConfig(output_dir=str(root / name), tracking=OFF,
                          teacher={"name_or_path": "debug", "overrides": {"hidden_size": 96, "intermediate_size": 256}},
-                         data={"sources": [str(root / "data")], "batch_tokens": 256, "max_seq_len": 128},
-                         max_steps=STEPS, eval_interval=0, checkpoint={"interval_steps": 0}, **kw)
+                         data=data, max_steps=STEPS, eval_interval=0, checkpoint={"interval_steps": 0}, **kw)
 
 
 def optim(grad_accum: int, lr: float = 1e-3) -> dict:
@@ -412,6 +412,19 @@ def test_moe_dpo_and_distillation_under_expert_parallelism_match_one_process(roo
     assert_same_run(records, ref, root / f"{stage}-ep", root / f"{stage}-moe-ref", val)
 
 
+@pytest.mark.slow
+def test_online_distillation_under_pipeline_and_tensor_parallelism_matches_one_process(root):
+    """The teacher split into the student's stages (and tp): it runs each micro-batch forward-only
+    first, its last stage keeping each microbatch's logits, which the student's last stage meets
+    in the vocab-parallel divergence."""
+    ref = in_process(distill_config(root, "kd-pp-ref", data=PP_DATA, optim=optim(2)))
+    cfg = distill_config(root, "kd-pp-tp", data=PP_DATA, parallel={"pp": 2, "tp": 2, "sequence_parallel": True},
+                         optim=optim(2))
+    records = torchrun_stage(cfg, root / ".work-kd-pp-tp", 4)
+    assert_same_run(records, ref, root / "kd-pp-tp", root / "kd-pp-ref", ("val/kl_initial", "val/kl"))
+    assert steps_of(records)[STEPS]["time/teacher_frac"] > 0  # the teacher's pass is timed
+
+
 @pytest.fixture(scope="module")
 def kd_offline_reference(root):
     return in_process(distill_config(root, "kd-off-ref", mode="offline", top_k=8, optim=optim(2)))
@@ -469,8 +482,8 @@ def test_qlora_sft_under_fsdp_and_tp_matches_one_process(root, qlora_reference, 
 def test_unsupported_layouts_are_refused_when_the_config_loads():
     from core.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"^parallel\.pp: pipeline parallelism \(pp=2\) runs in SFT and offline DPO"):
-        load_config(DistillConfig, overrides=["parallel.pp=2"])
+    with pytest.raises(ConfigError, match=r"^mode: 'on_policy' distillation does not run under pipeline"):
+        load_config(DistillConfig, overrides=["parallel.pp=2", "mode=on_policy"])
     with pytest.raises(ConfigError, match=r"^parallel\.pp: on-policy DPO samples from the policy"):
         load_config(DPOConfig, overrides=["parallel.pp=2", "pairs=on_policy"])
     with pytest.raises(ConfigError, match=r"^reference: 'model' .* does not run under pipeline"):

@@ -135,6 +135,8 @@ class Pipeline:
     is_last: bool
 
     microbatches: int = 1
+    microbatch_size: int = 1  # rows of a microbatch (the fixed shape every step runs on)
+    seq_len: int = 0
     tied_group: object = None  # tied embeddings: the first and last pipeline ranks, whose copies' gradients are summed
 
     @property
@@ -243,7 +245,8 @@ def build_pipeline(model: Transformer, cfg: ParallelConfig, mesh: ParallelMesh, 
     cls = SCHEDULES[cfg.pp_schedule]
     schedule = cls(stages if cfg.pp_schedule == "interleaved_1f1b" else stages[0], microbatches, loss_fn=loss_fn,
                    scale_grads=scale_grads)
-    pipe = Pipeline(schedule, stages, modules, is_first=0 in ids, is_last=n - 1 in ids, microbatches=microbatches)
+    pipe = Pipeline(schedule, stages, modules, is_first=0 in ids, is_last=n - 1 in ids, microbatches=microbatches,
+                    microbatch_size=microbatch_size, seq_len=seq_len)
     if tied:
         pipe.tied_group = _ends_group(mesh)
     return pipe
