@@ -208,15 +208,27 @@ def distill_objective(teacher: nn.Module, kind: str = "forward_kl", temperature:
                 t_w = t_weight.chunk(dist.get_world_size(group))[dist.get_rank(group)]
                 t_z = t_hidden.to(z.dtype) @ t_w.to(z.dtype).T
             loss = vocab_parallel_distill_loss(z, t_z, group, kind, temperature, beta, mask, reduction="sum")
-            if ce_weight:
-                loss = loss + ce_weight * vocab_parallel_cross_entropy(z, labels, group, reduction="sum",
-                                                                       shift=shift)
-            return loss
+            return _plus_ce(loss, ce_weight, z, labels, group, shift)
 
-        return LossOutput(_forward(model, batch, _head(model, batch, head, vocab_parallel_head)),
-                          batch["num_target_tokens"])
+        return _token_output(model, batch, head, vocab_parallel_head)
 
     return objective
+
+
+def _plus_ce(loss: torch.Tensor, ce_weight: float, z: torch.Tensor, labels: torch.Tensor,
+             group: dist.ProcessGroup, shift: bool) -> torch.Tensor:
+    """A vocab-parallel distillation loss plus ce_weight x the hard-label cross entropy (summed)."""
+    if not ce_weight:
+        return loss
+    return loss + ce_weight * vocab_parallel_cross_entropy(z, labels, group, reduction="sum", shift=shift)
+
+
+def _token_output(model: nn.Module, batch: dict[str, Any], head: Callable, vocab_parallel_head: Callable
+                  ) -> LossOutput:
+    """The forward with the loss head (fused on one process, vocab-parallel under tp), over the
+    batch's target tokens."""
+    return LossOutput(_forward(model, batch, _head(model, batch, head, vocab_parallel_head)),
+                      batch["num_target_tokens"])
 
 
 def topk_distill_objective(rows: Callable, kind: str = "forward_kl", temperature: float = 1.0, beta: float = 0.5,
@@ -246,13 +258,9 @@ def topk_distill_objective(rows: Callable, kind: str = "forward_kl", temperature
         def vocab_parallel_head(z: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
             loss = vocab_parallel_distill_topk(z.reshape(-1, z.shape[-1])[sel], t_ids[sel], t_lp[sel], group, kind,
                                                temperature, beta, reduction="sum")
-            if ce_weight:
-                loss = loss + ce_weight * vocab_parallel_cross_entropy(z, labels, group, reduction="sum",
-                                                                       shift=shift)
-            return loss
+            return _plus_ce(loss, ce_weight, z, labels, group, shift)
 
-        return LossOutput(_forward(model, batch, _head(model, batch, head, vocab_parallel_head)),
-                          batch["num_target_tokens"])
+        return _token_output(model, batch, head, vocab_parallel_head)
 
     return objective
 
