@@ -301,14 +301,14 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
         fits = False
     refused = None  # the key the stage's own check names
     if sizes["pp"] > 1:
-        if node in ("teacher", "dpo"):  # SFT and DPO run pp: first what pp does not combine with, then shapes
-            refused = "parallel.cp" if sizes["cp"] > 1 else "parallel.ep" if sizes["ep"] > 1 else None
-            if refused is None and node == "teacher":  # the demo's batch_tokens: pp runs fixed shapes
+        if node in ("teacher", "distill", "dpo"):  # the training stages run pp: first what pp does not combine
+            refused = "parallel.cp" if sizes["cp"] > 1 else "parallel.ep" if sizes["ep"] > 1 else None  # with
+            if refused is None and node != "dpo":  # the demo's batch_tokens: pp runs fixed shapes
                 refused = "data.batch_tokens"
             elif refused is None:  # the pairs of a micro-batch, cut into pp microbatches; then: on-policy
                 pairs = DEFAULT["nodes"]["dpo"]["data"]["micro_batch_size"]
                 refused = "data.micro_batch_size" if pairs % sizes["pp"] else "parallel.pp"
-        else:  # distillation and evaluation do not run pp (yet)
+        else:  # evaluation does not run pp (yet)
             refused = "parallel.pp"
     if refused and (fits or not own_launcher):  # the stage's own check (before the world's, if both fail)
         assert isinstance(got, ConfigError) and f"nodes.{node}." in str(got), str(got)
@@ -458,8 +458,8 @@ def test_impossible_layout_stops_the_cli_before_any_launch(monkeypatch, capsys):
     assert err.startswith("config error: nodes.dpo.parallel: world size 2") and "(from --set nodes.dpo.parallel.cp=4)" in err
     assert main(["run", "--set", "nodes.dpo.parallel.cp=4"]) == 2  # refused before the flow starts
     assert "config error: nodes.dpo.parallel: world size 2" in capsys.readouterr().err
-    assert main(["run", "--set", "nodes.distill.parallel.pp=2"]) == 2  # what the stage cannot run, too
-    assert "config error: nodes.distill.parallel.pp: pipeline parallelism" in capsys.readouterr().err
+    assert main(["run", "--set", "nodes.evaluate.parallel.pp=2"]) == 2  # what the stage cannot run, too
+    assert "config error: nodes.evaluate.parallel.pp: evaluation does not run pipeline" in capsys.readouterr().err
     assert main(["run", "--set", "nodes.student.parallel.pp=2"]) == 2  # SFT runs pp, on fixed shapes only
     assert "config error: nodes.student.data.batch_tokens: pipeline parallelism" in capsys.readouterr().err
     assert main(["config", "--set", "nodes.teacher.output_dir=../../elsewhere"]) == 2
