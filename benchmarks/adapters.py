@@ -36,7 +36,6 @@ Tests never assert on the figures; only on the document's structure and the loss
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -44,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sft import _in_fresh_process, _maxrss_mb, _rss_mb, documents
+from benchmarks.sft import _in_fresh_process, _maxrss_mb, _rss_mb, documents, write_report
 
 LOSS_RTOL = 1e-4
 PRELOAD = ["torch", "safetensors.torch", "core.model.model", "core.lora", "core.trainer", "core.objectives",
@@ -219,11 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "adapters": results,
         "loss_check": {"met": all(r["loss_check"]["met"] for r in results.values()), "tolerance": LOSS_RTOL},
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    return 0
+    return write_report(doc, a.out)
 
 
 if __name__ == "__main__":

@@ -441,10 +441,15 @@ def main(argv: list[str] | None = None) -> int:
         "loss_check": {"met": all(r["loss_check"]["met"] for r in results.values()), "tolerance": LOSS_RTOL,
                        **{s: r["loss_check"]["rel_diff"] for s, r in results.items()}},
     }
+    return write_report(doc, a.out)
+
+
+def write_report(doc: dict[str, Any], out: str | None) -> int:
+    """Print a benchmark's JSON document (and write it to `out`); the exit status 0."""
     text = json.dumps(doc, indent=2)
     print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    if out:
+        Path(out).write_text(text + "\n")
     return 0
 
 
