@@ -83,7 +83,7 @@ class Trainer:
         moe/aux_loss is the shares summed over aux_group (mesh.group("cp_tp")) / aux_scale (cp).
         pp_group: under pipeline parallelism (model = this rank's stages, core.parallel.pipeline.
         keep_own_stages) the objective runs the schedule's forward and backward itself
-        (core.objectives.pipelined_sft: LossOutput.backward_done, the MoE aux loss attached inside)
+        (core.pipeline_objectives.pipelined_sft: LossOutput.backward_done, the MoE aux loss attached inside)
         and the gradient norm is summed over the stages."""
         self.model = model
         self.cfg = optim

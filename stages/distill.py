@@ -38,7 +38,8 @@ from core.data.packing import collate_padding_free
 from core.losses import IGNORE_INDEX
 from core.manifest import digest
 from core.model.generate import SamplingParams, generate
-from core.objectives import distill_objective, pipelined_distill, teacher_topk, topk_distill_objective
+from core.objectives import distill_objective, teacher_topk, topk_distill_objective
+from core.pipeline_objectives import pipelined_distill
 from stages.adapters import adapter_routing, per_adapter_loss, routed, trained_adapters
 from stages.common import Dist, StageError, parse_spec
 from stages.recipe import Plan, Session, load_frozen, run_training

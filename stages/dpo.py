@@ -24,7 +24,8 @@ from stages.config import DPOConfig
 from core.data.encode import PreferencePair
 from core.lora import disable_adapter
 from core.manifest import digest
-from core.objectives import dpo_objective, pair_logps, pipeline_pair_logps, pipelined_dpo
+from core.objectives import dpo_objective, pair_logps
+from core.pipeline_objectives import pipeline_pair_logps, pipelined_dpo
 from stages.adapters import adapter_routing, routed, trained_adapters
 from stages.common import Dist, StageError, parse_spec
 from stages.on_policy import on_policy_pairs

@@ -189,8 +189,8 @@ def parallelize_stages(model: Transformer, cfg: TrainStageConfig, mesh: Parallel
     (core.parallel.pipeline.keep_own_stages; `model.pipeline` is the schedule). Every step runs
     on micro-batches of data.micro_batch_size padded rows of data.max_seq_len tokens (the
     schedule's fixed shapes; the config checked they divide), the loss a token sum normalized by
-    the trainer (core.objectives.pipelined_sft, pipelined_dpo)."""
-    from core.objectives import PipelineLoss, pipeline_token_loss
+    the trainer (core.pipeline_objectives)."""
+    from core.pipeline_objectives import PipelineLoss, pipeline_token_loss
     from core.parallel import parallelize_pipeline
     from core.parallel.pipeline import keep_own_stages
 
@@ -239,7 +239,7 @@ def parallelize_frozen(model: Transformer, layout: ParallelConfig, d: Dist, comp
         raise StageError(f"{what}.parallel: {e}") from None
     mesh = d.mesh if dims == d.mesh.dims else ParallelMesh(dims, d.device.type)
     if dims.pp > 1:  # split into stages like the policy, forward-only: its logits land on the same last stage
-        from core.objectives import PipelineLoss
+        from core.pipeline_objectives import PipelineLoss
         from core.parallel import parallelize_pipeline
         from core.parallel.pipeline import keep_own_stages
 

@@ -1,7 +1,8 @@
 """Supervised fine-tuning: full or LoRA/QLoRA, on packed (or padded) batches, with periodic
 validation loss; under every layout of core.parallel, pipeline parallelism included (the
-schedule then runs each micro-batch: core.objectives.pipelined_sft). The skeleton (stages/recipe.py) does the rest: resume from the stage's own
-checkpoints, throughput, HF/PEFT export and the manifest.
+schedule then runs each micro-batch: core.pipeline_objectives.pipelined_sft). The skeleton
+(stages/recipe.py) does the rest: resume from the stage's own checkpoints, throughput, HF/PEFT
+export and the manifest.
 
     torchrun --nproc-per-node 2 -m stages.sft --config spec.json
 """
@@ -9,7 +10,8 @@ checkpoints, throughput, HF/PEFT export and the manifest.
 from __future__ import annotations
 
 from stages.config import SFTConfig
-from core.objectives import pipelined_sft, sft_objective
+from core.objectives import sft_objective
+from core.pipeline_objectives import pipelined_sft
 from stages.adapters import adapter_routing, per_adapter_loss, routed, trained_adapters
 from stages.common import parse_spec
 from stages.recipe import Plan, Session, run_training

@@ -71,7 +71,7 @@ def doc_loader(docs: list[Document], data: DataConfig, d: Dist, epochs: int | No
     Training keeps ranks in lockstep (drop_last); evaluation sees every document once, and under a
     mesh every rank runs as many forwards (a short rank's filler batch is marked `padding`).
     Under pipeline parallelism the packed rows stay rows (padded (B, L)): the schedule runs on
-    fixed shapes (core.objectives.pipeline_rows)."""
+    fixed shapes (core.pipeline_objectives.pipeline_rows)."""
     rank, world = d.data_shard
     lockstep = evaluation and d.mesh is not None
     return build_loader(docs, data, rank=rank, world_size=world, num_epochs=epochs, evaluation=evaluation,

@@ -9,7 +9,7 @@ With the interleaved schedule rank r holds stages r, r + pp, r + 2 pp, ... (loop
 The loss runs on the last stage, per microbatch (`loss_fn(logits, target)`): a mean, which the
 schedule scales by 1/microbatches so a step equals one full-batch step; or, with
 `scale_grads=False`, a token *sum* the trainer normalizes once per step (the training stages:
-core.objectives.pipelined_sft). MoE load-balancing losses live on whichever stage holds the
+core.pipeline_objectives.pipelined_sft). MoE load-balancing losses live on whichever stage holds the
 layer: `_AttachAux` ties each block's aux loss to its output, so the backward that reaches the
 block also adds the aux gradient (Megatron's MoEAuxLossAutoScaler), weighted per microbatch
 (`aux_weights`: 1, or its token count when the loss is a sum), and the trainer must not add
