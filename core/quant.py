@@ -4,6 +4,11 @@ The storage format (the NF4 code table, `NF4Tensor`, `quantize_nf4` and the pure
 `dequantize_nf4`) is defined beside its Triton kernels in kernels/nf4.py, which explains it, and
 is re-exported here. This module adds what the model needs on top: `NF4Weight`, an NF4Tensor held
 as module buffers, and `nf4_linear`, a linear layer that keeps no dense weight for backward.
+
+Under FSDP (FSDP-QLoRA) `shard_storage` cuts an NF4Weight's buffers (packed codes, block scales,
+double-quant scales) into equal flat pieces over the data-parallel mesh, as DTensors: each rank
+stores 1/N of the base. A forward gathers the whole weight for its matmul and lets it go; its
+backward gathers it again (nothing whole is kept between them), as FSDP does for parameters.
 """
 
 from __future__ import annotations
@@ -20,18 +25,26 @@ class _NF4Linear(torch.autograd.Function):
     """y = x W^T with W held in NF4; backward dequantizes W again rather than saving it dense."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:
-        ctx.weight = weight  # packed buffers only: a quarter of the dense weight's bf16 bytes
-        return F.linear(x, weight.dequantize(x.dtype))
+    def forward(ctx, x: torch.Tensor, weight: NF4Tensor | NF4Weight) -> torch.Tensor:
+        # What is kept is the holder: packed buffers only (a quarter of the dense weight's bf16
+        # bytes), and for sharded storage only this rank's piece of them.
+        ctx.weight = weight
+        return F.linear(x, _whole(weight).dequantize(x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         # The base is frozen: only the input gradient is needed.
-        return grad_out @ ctx.weight.dequantize(grad_out.dtype), None
+        return grad_out @ _whole(ctx.weight).dequantize(grad_out.dtype), None
 
 
-def nf4_linear(x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:
-    """F.linear(x, dequantize(weight)) without keeping the dense weight for backward."""
+def _whole(weight: NF4Tensor | NF4Weight) -> NF4Tensor:
+    return weight if isinstance(weight, NF4Tensor) else weight.tensor
+
+
+def nf4_linear(x: torch.Tensor, weight: NF4Tensor | NF4Weight) -> torch.Tensor:
+    """F.linear(x, dequantize(weight)) without keeping the dense weight for backward. Pass the
+    NF4Weight module itself when its storage may be sharded (`shard_storage`): its pieces are
+    gathered in forward and again in backward."""
     return _NF4Linear.apply(x, weight)
 
 
@@ -78,12 +91,40 @@ class NF4Weight(nn.Module):
 
     @property
     def tensor(self) -> NF4Tensor:
-        # Rebuilt from the buffers on each access so it follows .to() moves.
+        """The whole NF4 weight. Rebuilt from the buffers on each access so it follows .to()
+        moves; with sharded storage the pieces are gathered first (collective over the mesh)."""
         return NF4Tensor(
-            self.packed, self.absmax, self.shape, self.dtype, self.block_size,
-            getattr(self, "absmax_scale", None), getattr(self, "absmax_offset", None),
+            _full(self.packed), _full(self.absmax), self.shape, self.dtype, self.block_size,
+            _full(getattr(self, "absmax_scale", None)), _full(getattr(self, "absmax_offset", None)),
             self.dq_block_size,
         )
+
+    @property
+    def sharded(self) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        return isinstance(self.packed, DTensor)
+
+    def local_nbytes(self) -> int:
+        """Bytes this rank stores (its pieces only, when sharded)."""
+        from torch.distributed.tensor import DTensor
+
+        bufs = [b.to_local() if isinstance(b, DTensor) else b for b in self._buffers.values() if b is not None]
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+    def shard_storage(self, mesh) -> None:
+        """Keep only this rank's piece of every buffer, as a DTensor sharded along its one (flat)
+        dimension over `mesh` (the FSDP mesh: 1-D, or 2-D for HSDP, replicated over the first
+        dimension). The pieces are torch.chunk's (uneven sizes allowed); nothing is
+        communicated, every rank holds the whole weight when this is called."""
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        if self.sharded:
+            return
+        placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+        for name, buf in list(self._buffers.items()):
+            if buf is not None and buf.dim() == 1 and buf.numel() >= mesh.size(-1):
+                self._buffers[name] = distribute_tensor(buf, mesh, placements, src_data_rank=None)
 
     @property
     def bits_per_weight(self) -> float:
@@ -99,9 +140,26 @@ class NF4Weight(nn.Module):
         # model.to(torch.bfloat16) must not round the fp32 scales: take only the device from fn.
         for name, buf in self._buffers.items():
             if buf is not None:
-                self._buffers[name] = buf.to(fn(buf.new_empty(0)).device)
+                probe = torch.empty(0, dtype=buf.dtype, device=buf.device)
+                self._buffers[name] = buf.to(fn(probe).device)
         return self
 
     def extra_repr(self) -> str:
         dq = ", double_quant" if hasattr(self, "absmax_scale") else ""
-        return f"shape={tuple(self.shape)}, dtype={self.dtype}, block={self.block_size}{dq}"
+        shard = ", sharded" if self.sharded else ""
+        return f"shape={tuple(self.shape)}, dtype={self.dtype}, block={self.block_size}{dq}{shard}"
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_nf4_storage(model: nn.Module, mesh) -> int:
+    """FSDP-QLoRA: shard the storage of every NF4 weight in `model` over `mesh`
+    (NF4Weight.shard_storage). Returns how many were sharded."""
+    weights = [m for m in model.modules() if isinstance(m, NF4Weight) and not m.sharded]
+    for w in weights:
+        w.shard_storage(mesh)
+    return len(weights)

@@ -470,13 +470,18 @@ def qlora_reference(root):
     ("qlora-tp", {"tp": 2, "sequence_parallel": True}, 2),
 ])
 def test_qlora_sft_under_fsdp_and_tp_matches_one_process(root, qlora_reference, layout, parallel, grad_accum):
-    """QLoRA under FSDP: the adapters, the dense frozen weights (embedding, norms, head) and their
-    optimizer state sharded; the NF4 base, held in buffers, replicated on each rank. Under TP each
-    rank computes on its slice of every NF4 weight (core.quant.nf4_shard: the same codes and
-    scales, cut where the split cuts the blocks), the adapters split as for a dense base."""
+    """QLoRA under FSDP (FSDP-QLoRA): the adapters, the dense frozen weights (embedding, norms,
+    head) and their optimizer state sharded, and the NF4 base's storage too (each rank keeps its
+    piece, core.quant.shard_nf4_storage; forward and backward gather it); killed and resumed, it
+    ends bitwise where the uninterrupted run did (the checkpoint holds no NF4 base: it is loaded
+    again). Under TP each rank computes on its slice of every NF4 weight (core.quant.nf4_shard:
+    the same codes and scales, cut where the split cuts the blocks), the adapters split as for a
+    dense base."""
     cfg = sft_config(root, layout, lora=QLORA, parallel=parallel, optim=optim(grad_accum, lr=5e-3))
     records = torchrun_stage(cfg, root / f".work-{layout}", 2)
     assert_same_run(records, qlora_reference, root / layout, root / "qlora-ref", ("val/loss_initial", "val/loss"))
+    if layout == "qlora-fsdp":
+        assert_resume_is_bit_exact(cfg, root / layout, 2)
 
 
 def test_unsupported_layouts_are_refused_when_the_config_loads():

@@ -110,11 +110,18 @@ def split_tensors(flat: Mapping[str, Any], prefix: str) -> tuple[dict[str, torch
 
 
 def model_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, Any]:
+    """What a checkpoint saves of the model. trainable_only (adapter training): the trained
+    parameters and the buffers that carry state, without the frozen base, which the run loads
+    again from the base model; so also without a QLoRA base's NF4 buffers (core.quant.NF4Weight),
+    derived from it (half a byte per base weight in every checkpoint otherwise)."""
+    from core.quant import NF4Weight
+
     sd = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
     if trainable_only:  # DSD keeps tied aliases of frozen params (lm_head.weight = embed.weight)
         frozen = {n.replace("_orig_mod.", "") for n, p in model.named_parameters(remove_duplicate=False)
                   if not p.requires_grad}
-        sd = {k: v for k, v in sd.items() if k not in frozen}
+        nf4 = tuple(n.replace("_orig_mod.", "") + "." for n, m in model.named_modules() if isinstance(m, NF4Weight))
+        sd = {k: v for k, v in sd.items() if k not in frozen and not (nf4 and k.startswith(nf4))}
     return sd
 
 

@@ -140,7 +140,7 @@ class LoRALinear(nn.Module):
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T, no bias."""
-        return nf4_linear(x, self.weight.tensor) if self.quantized else F.linear(x, self.weight)
+        return nf4_linear(x, self.weight) if self.quantized else F.linear(x, self.weight)
 
     def _weight_norm(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """||W + s B A|| per output row, detached (DoRA section 4.3), shape (out,)."""

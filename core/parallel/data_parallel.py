@@ -12,6 +12,9 @@
   the ep ranks into it), so the divisor is the full data-parallel degree. (In the graph rather
   than FSDP's set_gradient_divide_factor: that is a PREMUL_SUM, which gloo lacks, and with torch
   2.13 it was not applied at all on a one-rank expert mesh, ep = dp_shard * cp.)
+- QLoRA under FSDP (FSDP-QLoRA): the NF4 bases are buffers, which fully_shard leaves whole, so
+  their storage is sharded over the same mesh first (core.quant.shard_nf4_storage) and gathered
+  by each forward and backward that needs the weight.
 - Activation checkpointing: each block's forward runs under non-reentrant torch.utils.checkpoint.
   MoE routing statistics are side effects of forward, so the recompute restores them; LoRA adapter
   routing is set around the forward only, so the recompute sets the forward's again.
@@ -30,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from core.lora.layer import LoRALinear
 from core.model.moe import MoE
+from core.quant import shard_nf4_storage
 from core.parallel.mesh import ParallelMesh
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}
@@ -53,6 +57,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: ParallelMesh,
     # gathered between them saves one all-gather per microbatch (torchtitan's default too).
     reshard = {"always": True, "never": False, "default": dims.pp == 1}[reshard_after_forward]
     kw = dict(mp_policy=policy, reshard_after_forward=reshard)
+    shard_nf4_storage(model, mesh.fsdp_mesh())
     for block in blocks:
         if dims.ep > 1:
             for moe in (m for m in block.modules() if isinstance(m, MoE)):

@@ -67,8 +67,9 @@ def _check_lora(mod: LoRALinear, name: str) -> None:
 
 def _split_nf4(mod: LoRALinear, dim: int, mesh: DeviceMesh, name: str) -> None:
     """QLoRA: this rank's slice of the NF4 base (core.quant.nf4_shard), what its forward computes
-    on, kept out of the state dict; the whole NF4 weight stays in `weight` (replicated over tp, as
-    FSDP keeps it: buffers), so checkpoints and the gathered export read it unchanged."""
+    on, kept out of the state dict; the whole NF4 weight stays in `weight` (replicated over tp;
+    under FSDP both are sharded over its mesh, core.quant.shard_nf4_storage), so the gathered
+    export reads it unchanged."""
     from core.quant import NF4Weight, nf4_shard
 
     try:
@@ -83,7 +84,7 @@ def _base(mod: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
     if isinstance(mod, LoRALinear) and mod.quantized:
         from core.quant import nf4_linear
 
-        y = nf4_linear(x, mod.tp_weight.tensor)
+        y = nf4_linear(x, mod.tp_weight)
         return y if bias is None else y + bias
     return F.linear(x, local(mod.weight), bias)
 

@@ -1,5 +1,5 @@
 """Data parallelism on 4 ranks against one process: DDP, FSDP2, HSDP, FSDP + activation
-checkpointing, FSDP + LoRA, and FSDP x TP, on the dense and MoE debug models (two SGD steps each,
+checkpointing, FSDP + LoRA, FSDP + QLoRA (NF4 storage sharded too), and FSDP x TP, on the dense and MoE debug models (two SGD steps each,
 loss, every gradient, the updated weights and the summed MoE token counts compared)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from core.parallel.config import ParallelConfig
+from core.quant import NF4Weight
 from core.parallel import parallelize
 from core.parallel.mesh import ParallelDims, ParallelMesh
 from tests.parallel._dist import (
@@ -18,6 +19,7 @@ from tests.parallel._dist import (
 )
 
 LORA = dict(rank=4, alpha=8.0, targets="all-linear")
+QLORA = dict(LORA, quantize_base="nf4", double_quant=True)
 
 # bf16 compute (FSDP2 MixedPrecisionPolicy) against the fp32 reference: bf16 keeps 8 mantissa bits,
 # ~4e-3 relative per op; measured max 2e-3 on losses ~6 and gradients ~0.2 (5x margin).
@@ -28,9 +30,11 @@ LAYOUTS = {  # name: (ParallelConfig fields, presets, lora, activation checkpoin
     "fsdp": (dict(dp_shard=4), ("debug", "debug-moe"), False, False),
     "hsdp": (dict(dp_replicate=2, dp_shard=2), ("debug",), False, False),
     "fsdp+ac": (dict(dp_shard=4), ("debug-moe",), False, True),
-    "fsdp+lora": (dict(dp_shard=4), ("debug",), True, False),
+    "fsdp+lora": (dict(dp_shard=4), ("debug",), LORA, False),
+    "hsdp+qlora": (dict(dp_replicate=2, dp_shard=2), ("debug",), QLORA, False),
+    "fsdp_x_tp+qlora": (dict(dp_shard=2, tp=2), ("debug",), QLORA, False),
     "fsdp_x_tp": (dict(dp_shard=2, tp=2), ("debug", "debug-moe"), False, False),
-    "fsdp_x_tp+lora": (dict(dp_shard=2, tp=2), ("debug-moe",), True, False),
+    "fsdp_x_tp+lora": (dict(dp_shard=2, tp=2), ("debug-moe",), LORA, False),
     "fsdp+bf16": (dict(dp_shard=4, mixed_precision_param="bfloat16"), ("debug",), False, False),
 }
 
@@ -61,12 +65,18 @@ def _dp_matrix():
         for preset in presets:
             args = model_args(preset)
             ids, _ = batch(args, B=4, T=16)
-            ref = reference_model(args, lora=LORA if lora else None)
+            ref = reference_model(args, lora=lora or None)
             par = parallelize(clone(ref), cfg, mesh, activation_checkpointing=ac)
             if mesh.dims.fsdp:
                 assert isinstance(par, FSDPModule) and isinstance(par.layers[0], FSDPModule)
                 w = par.layers[0].attn.q_proj.weight
-                assert isinstance(w, DTensor) and w.to_local().numel() < w.numel()
+                if lora and lora.get("quantize_base"):  # FSDP-QLoRA: each rank stores its share of the NF4 base
+                    whole = ref.layers[0].attn.q_proj.weight
+                    assert isinstance(w, NF4Weight) and w.sharded
+                    assert w.local_nbytes() <= whole.local_nbytes() / mesh.dims.dp_shard + 64
+                    results[f"{name}/{preset}/nf4_storage"] = (w.tensor.dequantize() - whole.dequantize()).abs().max().item()
+                else:
+                    assert isinstance(w, DTensor) and w.to_local().numel() < w.numel()
             res = compare_training(ref, par, dp_reference_loss(ids, None, mesh.size("dp")), par_loss_fn(mesh, ids),
                                    stats_group=mesh.group("dp_cp_tp"))
             results.update({f"{name}/{preset}/{k}": v for k, v in res.items()})
