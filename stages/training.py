@@ -126,9 +126,12 @@ class DeviceLoader:
 def sampling_unit(d: Dist) -> tuple[int, int]:
     """(index, count) of the groups of ranks that work on the same rows: each rank alone, or under
     tensor parallelism its tp group (tp is the mesh's innermost dimension), whose ranks decode
-    and score the same rows in lockstep."""
+    and score the same rows in lockstep; under pipeline parallelism (pp the outermost) with the
+    same coordinates in every stage."""
     tp = d.mesh.dims.tp if d.mesh is not None else 1
-    return d.rank // tp, d.world // tp
+    pp = d.mesh.dims.pp if d.mesh is not None else 1
+    per_stage = d.world // pp
+    return (d.rank % per_stage) // tp, per_stage // tp
 
 
 @contextlib.contextmanager
@@ -143,12 +146,15 @@ def sampling(model, cfg: ParallelConfig, gather: bool = True):
     from core.parallel.context import without_context_parallel
     from core.parallel.tensor import decode_without_sequence_parallel
 
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)] if gather else []
+    pipe = getattr(model, "pipeline", None)
+    roots = list(pipe.modules) if pipe is not None else [model]  # under PP: this rank's stages
+    units = [m for r in roots for m in r.modules() if isinstance(m, FSDPModule)] if gather else []
     if not units:
         with without_context_parallel(model), decode_without_sequence_parallel(model):
             yield
         return
-    model.set_reshard_after_forward(False)
+    for r in roots:
+        r.set_reshard_after_forward(False)
     for m in units:
         m.unshard()
     try:
@@ -158,10 +164,15 @@ def sampling(model, cfg: ParallelConfig, gather: bool = True):
     finally:
         for m in units:
             m.reshard()
-        # Back to parallelize's setting (apply_fsdp; pp = 1 here), and the root keeps its weights
-        # after forward as FSDP does by default (backward needs them at once).
-        model.set_reshard_after_forward(cfg.fsdp_reshard_after_forward != "never")
-        model.set_reshard_after_forward(False, recurse=False)
+        # Back to parallelize's setting (apply_fsdp), and a root keeps its weights after forward
+        # as FSDP does by default (backward needs them at once). Pipeline stages keep theirs
+        # gathered between microbatches unless told always to reshard.
+        again = cfg.fsdp_reshard_after_forward == "always" or (pipe is None and cfg.fsdp_reshard_after_forward
+                                                                != "never")
+        for r in roots:
+            r.set_reshard_after_forward(again)
+            if pipe is None:
+                r.set_reshard_after_forward(False, recurse=False)
 
 
 @torch.no_grad()

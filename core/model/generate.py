@@ -6,7 +6,10 @@ Every step is one call of the model's forward (the lm_head applied to the last p
 `head`), so wrappers that act in forward hooks (FSDP gathering weights) see it like training.
 Under tensor parallelism (outside sequence parallelism: parallel.tensor's decode mode) each rank
 caches its own KV heads, the vocab-split logits are gathered, and the ranks of a tp group, which
-decode the same rows, all take the tokens tp rank 0 drew.
+decode the same rows, all take the tokens tp rank 0 drew. Under pipeline parallelism (a model
+split by core.parallel.pipeline.keep_own_stages) each step runs the stages one after the other
+(core.parallel.pipeline_decode: each rank caches its stages' layers only), and the last stage's
+tokens and log-probs are broadcast to the pipeline's other ranks.
 """
 
 from __future__ import annotations
@@ -79,6 +82,23 @@ def _kv_heads(model: Transformer) -> int:
     return model.layers[0].attn.k_proj.out_features // model.args.head_dim
 
 
+class _WholeModel:
+    """One forward per step through the model (every layer on this rank)."""
+
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.device, self.dtype = model.embed.weight.device, model.embed.weight.dtype
+
+    def cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache.empty(self.model.args, batch, max_len, self.device, self.dtype, kv_heads=_kv_heads(self.model))
+
+    def last_logits(self, ids, positions, mask, cache) -> torch.Tensor:
+        return _last_logits(self.model, ids, positions, mask, cache)
+
+    def share(self, token: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token, logp
+
+
 @torch.no_grad()
 def generate(
     model: Transformer, prompts: list[list[int]], params: SamplingParams, pad_id: int = 0, lockstep=None
@@ -89,7 +109,13 @@ def generate(
     sequences are done (a rank whose rows are done feeds pad tokens meanwhile)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
-    device = model.embed.weight.device
+    if getattr(model, "pipeline", None) is not None:
+        from core.parallel.pipeline_decode import StagedModel
+
+        fwd = StagedModel(model, model.pipeline)
+    else:
+        fwd = _WholeModel(model)
+    device = fwd.device
     B, T0 = len(prompts), max(len(p) for p in prompts)
     total = T0 + params.max_new_tokens
     ids = torch.full((B, T0), pad_id, dtype=torch.long, device=device)
@@ -98,7 +124,7 @@ def generate(
         ids[b, T0 - len(p):] = torch.tensor(p, device=device)
         mask[b, T0 - len(p):T0] = 1
     positions = (mask[:, :T0].cumsum(-1) - 1).clamp(min=0)
-    cache = KVCache.empty(model.args, B, total, device, model.embed.weight.dtype, kv_heads=_kv_heads(model))
+    cache = fwd.cache(B, total)
     group = _tp_group(model)  # tp ranks decode the same rows in lockstep: rank 0's tokens are everyone's
     gen = torch.Generator(device=device).manual_seed(params.seed) if params.seed is not None else None
     stop = torch.tensor(list(params.stop_token_ids) or [-1], device=device)
@@ -109,21 +135,26 @@ def generate(
     logps = torch.zeros(B, params.max_new_tokens, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.full((B,), params.max_new_tokens, device=device)
-    logits = _last_logits(model, ids, positions, mask[:, :T0], cache)  # (B, V)
+    logits = fwd.last_logits(ids, positions, mask[:, :T0], cache)  # (B, V); None off a pipeline's last stage
     pos = positions[:, -1]
     for t in range(params.max_new_tokens):
-        if params.temperature == 0:
-            token = logits.argmax(-1)
-        else:
-            probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
-            token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-        token = torch.where(done, pad_id, token)
-        if group is not None:
-            import torch.distributed as dist
+        token = torch.zeros(B, dtype=torch.long, device=device)
+        logp = torch.zeros(B, device=device)
+        if logits is not None:
+            if params.temperature == 0:
+                token = logits.argmax(-1)
+            else:
+                probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
+                token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            token = torch.where(done, pad_id, token)
+            if group is not None:
+                import torch.distributed as dist
 
-            dist.broadcast(token, dist.get_global_rank(group, 0), group=group)
+                dist.broadcast(token, dist.get_global_rank(group, 0), group=group)
+            logp = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        token, logp = fwd.share(token, logp)
         out[:, t] = token
-        logps[:, t] = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        logps[:, t] = logp
         newly = ~done & torch.isin(token, stop)
         lengths = torch.where(newly, t + 1, lengths)
         done |= newly
@@ -137,7 +168,7 @@ def generate(
             break
         mask[:, T0 + t] = 1
         pos = pos + 1
-        logits = _last_logits(model, token[:, None], pos[:, None], mask[:, :T0 + t + 1], cache)
+        logits = fwd.last_logits(token[:, None], pos[:, None], mask[:, :T0 + t + 1], cache)
     model.train(was_training)
 
     results = []

@@ -37,19 +37,25 @@ class KVCache:
     k: torch.Tensor
     v: torch.Tensor
     length: int = 0
+    slot_of: dict[int, int] | None = None  # layer -> its row in k / v, when only some layers are held
 
     @classmethod
     def empty(cls, args: ModelArgs, batch: int, max_len: int, device, dtype,
-              kv_heads: int | None = None) -> "KVCache":
-        """kv_heads: the heads this rank holds (its share under tensor parallelism); default all."""
-        shape = (args.num_layers, batch, kv_heads or args.num_kv_heads, max_len, args.head_dim)
-        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+              kv_heads: int | None = None, layers: list[int] | None = None) -> "KVCache":
+        """kv_heads: the heads this rank holds (its share under tensor parallelism); default all.
+        layers: the layers this rank runs (its pipeline stages'); default all."""
+        n = args.num_layers if layers is None else len(layers)
+        shape = (n, batch, kv_heads or args.num_kv_heads, max_len, args.head_dim)
+        slot_of = None if layers is None else {layer: i for i, layer in enumerate(layers)}
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
+                   slot_of=slot_of)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[2]
-        self.k[layer, :, :, self.length:end] = k
-        self.v[layer, :, :, self.length:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        i = layer if self.slot_of is None else self.slot_of[layer]
+        self.k[i, :, :, self.length:end] = k
+        self.v[i, :, :, self.length:end] = v
+        return self.k[i, :, :, :end], self.v[i, :, :, :end]
 
 
 class Attention(nn.Module):

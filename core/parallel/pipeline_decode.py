@@ -1,0 +1,103 @@
+"""Token-by-token decoding of a pipeline-parallel model: the stages one after the other.
+
+core.model.generate drives the loop; this module is its forward under pipeline parallelism.
+Every decode step (and the prefill before them) runs stage 0 on its rank, sends the hidden
+states to the rank of stage 1, and so on to the last stage, whose rank computes the next-token
+logits. Each rank keeps a KV cache for its own stages' layers only. The ranks of a pipeline all
+decode the same rows, so the last stage's rank broadcasts the tokens it drew (and their
+log-probs) to the others, which feed them to stage 0 next. No microbatches overlap: a stage is
+idle while the others run, which is what "a stage-by-stage decode loop" costs; a generation
+engine with continuous batching is the place for more.
+
+Under tensor parallelism inside the pipeline each rank runs its shard of the stage (heads split,
+no sequence split while decoding: parallel.tensor's decode mode) and sends to the rank with the
+same tp coordinate in the next stage; the last stage gathers its vocab-split logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from core.model.model import KVCache, Transformer, attention_masks
+from core.model.rope import rope_cos_sin
+from core.parallel.pipeline import Pipeline, PipelineStageModule
+
+
+class StagedModel:
+    """The forward generate() calls on a rank of a pipeline: its part of every step."""
+
+    def __init__(self, model: Transformer, pipe: Pipeline):
+        self.model, self.pipe = model, pipe
+        self.group = pipe.stages[0].group
+        self.pp = dist.get_world_size(self.group)
+        self.me = dist.get_rank(self.group)
+        self.n = pipe.stages[0].num_stages
+        self.mine = {st.stage_index: mod for st, mod in zip(pipe.stages, pipe.modules)}
+        first = pipe.modules[0]
+        weight = next(first.layers.values().__iter__()).attn.q_proj.weight if first.layers else \
+            next(first.parameters())
+        self.device = next(first.parameters()).device
+        self.dtype = first.embed.weight.dtype if first.embed is not None else weight.dtype
+        self.layers = sorted(int(i) for mod in pipe.modules for i in mod.layers)
+
+    def owner(self, stage: int) -> int:
+        """Global rank holding `stage` (looped placement: stage s on pp rank s % pp)."""
+        return dist.get_global_rank(self.group, stage % self.pp)
+
+    def cache(self, batch: int, max_len: int) -> KVCache:
+        attn = self.model.layers[self.layers[0]].attn
+        kv_heads = attn.k_proj.out_features // self.model.args.head_dim
+        return KVCache.empty(self.model.args, batch, max_len, self.device, self.dtype, kv_heads=kv_heads,
+                             layers=self.layers)
+
+    def last_logits(self, ids: Tensor, positions: Tensor, mask: Tensor, cache: KVCache) -> Tensor | None:
+        """(B, V) fp32 next-token logits on the last stage's rank; None on the others."""
+        B, T = ids.shape
+        start = cache.length
+        x, logits = None, None
+        for s in range(self.n):
+            if s not in self.mine:
+                continue
+            if s > 0:
+                x = torch.empty(B, T, self.model.args.hidden_size, dtype=self.dtype, device=self.device)
+                dist.recv(x, self.owner(s - 1), group=self.group)
+            out = _run(self.mine[s], ids if s == 0 else x, positions, mask, cache, start)
+            if s == self.n - 1:
+                logits = out
+            else:
+                dist.send(out.contiguous(), self.owner(s + 1), group=self.group)
+        cache.length = start + T
+        return logits
+
+    def share(self, token: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
+        """Every rank of the pipeline takes the last stage's tokens and their log-probs."""
+        src = self.owner(self.n - 1)
+        dist.broadcast(token, src, group=self.group)
+        dist.broadcast(logp, src, group=self.group)
+        return token, logp
+
+
+def _run(mod: PipelineStageModule, x: Tensor, positions: Tensor, mask: Tensor, cache: KVCache,
+         start: int) -> Tensor:
+    """One stage on T new positions from cache slot `start`: its hidden states out, or on the
+    last stage the (B, V) fp32 logits of the last position (gathered over tp)."""
+    args = mod.args
+    if mod.embed is not None:
+        x = mod.embed(x)
+    T = x.shape[1]
+    cos, sin = rope_cos_sin(mod.inv_freq, positions, mod.rope_scale, x.dtype)
+    ids = [int(name) for name in mod.layers]
+    masks = attention_masks(args, ids, None, T, start, mask, x.device)
+    for name, layer in mod.layers.items():
+        x = layer(x, cos, sin, masks[args.window_of(int(name))], cache)
+    if mod.lm_head is None:
+        return x
+    logits = mod.lm_head(mod.norm(x[:, -1])).float()
+    group = getattr(mod.lm_head, "tp_group", None)
+    if group is not None:
+        from core.parallel.mappings import all_gather
+
+        logits = all_gather(logits, -1, group)
+    return logits
