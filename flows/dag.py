@@ -267,7 +267,7 @@ class PipelineDAG:
                 node.edges.extend(Edge(t, node.name, role, key) for t in targets)
             elif is_registry_ref(value):
                 node.external[key] = value
-            elif value not in presets and not Path(value).exists():
+            elif value not in presets and not _exists(value):
                 raise ValueError(f"nodes.{node.base}.{key}: {value!r} is not a node ({', '.join(self.cfg.nodes)}), "
                                  "a registered model (models:/name@alias), a model preset "
                                  f"({', '.join(sorted(presets))}) or an existing path")
@@ -275,13 +275,13 @@ class PipelineDAG:
             targets = self._resolve(node, key, value, "data", True)
             if targets is not None:
                 node.edges.extend(Edge(t, node.name, "data", key) for t in targets)
-            elif not Path(value).exists():
+            elif not _exists(value):
                 raise ValueError(f"nodes.{node.base}.{key}: {value!r} is neither a node nor an existing file")
         if node.kind in TRAIN_KINDS + ("evaluate",) and not node.cfg.data.sources:
             raise ValueError(f"nodes.{node.base}.data: no data; name a data_prep node (data: prep) or files")
         if node.kind == "data_prep":
             for i, s in enumerate(node.cfg.sources):
-                if not Path(s).exists():
+                if not _exists(s):
                     raise ValueError(f"nodes.{node.base}.sources[{i}]: {s!r} does not exist")
 
     def _toposort(self) -> list[str]:
@@ -463,3 +463,11 @@ class PipelineDAG:
                           "output_dir": str(self.output_dir(n))} for n in self.order},
             "edges": [{"src": e.src, "dst": e.dst, "role": e.role, "key": e.key} for e in self.edges],
         }
+
+
+def _exists(path: str) -> bool:
+    """Path(path).exists(), False for a name the file system cannot even look up (too long)."""
+    try:
+        return Path(path).exists()
+    except OSError:
+        return False

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from stages.config import DistillConfig
 from core.data.encode import Document, last_run_start
-from core.data.packing import collate_padding_free
+from core.data.packing import collate_padded, collate_padding_free
 from core.losses import IGNORE_INDEX
 from core.manifest import digest
 from core.model.generate import SamplingParams, generate
@@ -81,25 +81,33 @@ class OnPolicyMix:
     def __init__(self, loader, session: Session, prompts: list[list[int]]):
         self.loader, self.session, self.prompts = loader, session, prompts
         self.student, self.tok, self.cfg, self.device = session.model, session.tok, session.cfg, session.dist.device
-        self.samples = 0
+        self.samples = self.truncated = 0
 
     def __iter__(self):
         for batch in self.loader.loader:  # collated on CPU
-            if random.Random(f"{self.cfg.seed}:{self.loader.state_dict()}").random() < self.cfg.on_policy_ratio:
-                batch = self._student_batch(batch)
+            draw = random.Random(f"{self.cfg.seed}:{self.loader.state_dict()}")
+            if draw.random() < self.cfg.on_policy_ratio:
+                # the sampling seed, as the draw, from the step and this rank's data shard: the
+                # same samples whichever rank of a tp group or pipeline draws them, and on resume
+                seed = random.Random(f"{draw.random()}:{self.session.dist.data_shard[0]}").getrandbits(62)
+                batch = self._student_batch(batch, seed)
             yield to_device(batch, self.device)
 
     @torch.no_grad()
-    def _student_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def _student_batch(self, batch: dict[str, Any], seed: int) -> dict[str, Any]:
         prompts = [self.prompts[i] for i in batch["doc_indices"]]
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=1.0,
-                                stop_token_ids=tuple(self.tok.eos_ids))
+                                stop_token_ids=tuple(self.tok.eos_ids), seed=seed)
         with sampling(self.student, self.cfg.parallel), self.session.phase("student_sampling"):
             # every rank samples at the same micro-step
             gens = generate(self.student, prompts, params, pad_id=self.tok.pad_id or 0)
         self.student.train()
         self.samples += len(gens)
-        docs = [Document(p + g.tokens, [IGNORE_INDEX] * len(p) + g.tokens) for p, g in zip(prompts, gens) if g.tokens]
+        docs = [Document(p + g.tokens, [IGNORE_INDEX] * len(p) + g.tokens) if g.tokens else None
+                for p, g in zip(prompts, gens)]
+        if "attention_mask" in batch:  # pipeline parallelism: padded rows, which the samples keep
+            return self._rows(batch, docs)
+        docs = [doc for doc in docs if doc is not None]
         mesh = self.session.dist.mesh
         if mesh is not None and mesh.dims.cp > 1:  # the cp ranks of a batch must cut the same sequence
             group = mesh.group("cp")
@@ -107,6 +115,29 @@ class OnPolicyMix:
             dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
             docs = shared[0]
         return collate_padding_free(docs)
+
+    def _rows(self, batch: dict[str, Any], docs: list[Document | None]) -> dict[str, Any]:
+        """The samples packed again into the pipeline's fixed shapes: at most pipeline_rows() rows
+        of max_seq_len tokens, each sample in the first row with room for it (in batch order).
+        Only when none has room is the sample cut to the room left in the emptiest row (counted
+        in on_policy/truncated; dropped if not one completion token fits)."""
+        width, limit = self.cfg.data.max_seq_len, self.cfg.pipeline_rows()
+        rows: list[list[Document]] = []
+        room: list[int] = []
+        for doc in (x for x in docs if x is not None):
+            r = next((i for i, left in enumerate(room) if left >= len(doc)), None)
+            if r is None and len(rows) < limit:
+                rows.append([]), room.append(width)
+                r = len(rows) - 1
+            if r is None:
+                self.truncated += 1
+                r = max(range(len(room)), key=room.__getitem__)
+                if room[r] <= sum(label == IGNORE_INDEX for label in doc.labels):
+                    continue  # not one completion token fits
+                doc = Document(doc.input_ids[:room[r]], doc.labels[:room[r]])
+            rows[r].append(doc)
+            room[r] -= len(doc)
+        return collate_padded(rows, self.tok.pad_id or 0)
 
     def __len__(self):
         return len(self.loader)
@@ -238,15 +269,13 @@ class Distill:
             objective = topk_distill_objective(topk.rows, cfg.divergence, cfg.temperature, cfg.jsd_beta,
                                                cfg.ce_weight)
             train = DeviceLoader(base, d.device)
-        elif cfg.mode == "on_policy":
-            objective, train = online, OnPolicyMix(DeviceLoader(base, d.device), s, prompts)
-        elif pipeline_of(d) is not None:  # both split into the same stages: each micro-batch runs both schedules
-            online = pipelined_distill(pipeline_of(d), teacher.pipeline, cfg.pipeline_rows(), cfg.data.max_seq_len,
-                                       d.mesh.group("pp"), cfg.divergence, cfg.temperature, cfg.jsd_beta,
-                                       cfg.ce_weight, teacher_phase=lambda: s.phase("teacher"))
-            objective, train = online, DeviceLoader(base, d.device)
         else:
-            objective, train = online, DeviceLoader(base, d.device)
+            if pipeline_of(d) is not None:  # both split into the same stages: each micro-batch runs both schedules
+                online = pipelined_distill(pipeline_of(d), teacher.pipeline, cfg.pipeline_rows(),
+                                           cfg.data.max_seq_len, d.mesh.group("pp"), cfg.divergence, cfg.temperature,
+                                           cfg.jsd_beta, cfg.ce_weight, teacher_phase=lambda: s.phase("teacher"))
+            train = DeviceLoader(base, d.device)
+            objective, train = online, OnPolicyMix(train, s, prompts) if cfg.mode == "on_policy" else train
 
         names = trained_adapters(cfg)
         if names:  # each document through its adapter (on_policy is refused with several)
@@ -264,7 +293,12 @@ class Distill:
             return {"val/kl": val_kl(val_docs)}
 
         def summary() -> dict[str, float]:
-            extra = {"on_policy/samples": train.samples} if isinstance(train, OnPolicyMix) else {}
+            extra = {"on_policy/samples": train.samples, "on_policy/truncated": train.truncated} \
+                if isinstance(train, OnPolicyMix) else {}
+            if extra.get("on_policy/truncated"):
+                log.warning("distill: %d samples were cut to fit the pipeline's rows of max_seq_len=%d tokens; "
+                            "data.packing=false (one document a row) leaves each sample its row",
+                            extra["on_policy/truncated"], cfg.data.max_seq_len)
             return {**extra, **drop_metrics(stats)}
 
         return Plan(train, objective, validate, inputs={"teacher": teacher_id}, summary=summary)

@@ -255,6 +255,8 @@ def test_wrong_type_from_override_names_the_override(tmp_path):
     # a reference set on the command line is blamed on the --set, not on the file
     with pytest.raises(ConfigError, match=r"^nodes\.dpo\.model: 'nope' is not a node .*\(from --set nodes\.dpo\.model=nope\)$"):
         demo("nodes.dpo.model=nope")
+    with pytest.raises(ConfigError, match=r"^nodes\.dpo\.model: 'xxxx.*' is not a node"):  # too long for a file name
+        demo("nodes.dpo.model=" + "x" * 5000)
     # ... and a bad value in the file on the file, whatever else was set
     path = write(tmp_path, DEMO_CONFIG.read_text().replace("    pairs: on_policy\n", "    pairs: on_policy\n    beta: 0\n"))
     with pytest.raises(ConfigError, match=rf"^nodes\.dpo\.beta: .*\(got 0\) in {path}$"):

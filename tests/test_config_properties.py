@@ -305,9 +305,9 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
             refused = "parallel.cp" if sizes["cp"] > 1 else "parallel.ep" if sizes["ep"] > 1 else None  # with
             if refused is None and node != "dpo":  # the demo's batch_tokens: pp runs fixed shapes
                 refused = "data.batch_tokens"
-            elif refused is None:  # the pairs of a micro-batch, cut into pp microbatches; then: on-policy
+            elif refused is None:  # the pairs of a micro-batch, cut into pp microbatches
                 pairs = DEFAULT["nodes"]["dpo"]["data"]["micro_batch_size"]
-                refused = "data.micro_batch_size" if pairs % sizes["pp"] else "parallel.pp"
+                refused = "data.micro_batch_size" if pairs % sizes["pp"] else None
         else:  # evaluation does not run pp (yet)
             refused = "parallel.pp"
     if refused and (fits or not own_launcher):  # the stage's own check (before the world's, if both fail)

@@ -341,6 +341,8 @@ ON_POLICY = dict(pairs="on_policy", reference="precomputed", num_samples=2, max_
     ("dpo-op-cp", {"cp": 2}),
     # decodes with its KV heads split over tp (no sequence split), both tp ranks on the same rows
     ("dpo-op-tp", {"tp": 2}),
+    # decodes stage by stage (core.parallel.pipeline_decode), then trains on the pairs pipelined
+    ("dpo-op-pp", {"pp": 2}),
 ])
 def test_on_policy_dpo_under_parallel_layouts_matches_one_process(root, on_policy_reference, layout, parallel):
     cfg = dpo_config(root, layout, parallel=parallel, optim=optim(2, lr=5e-3), **ON_POLICY)
@@ -387,16 +389,25 @@ def gkd_reference(root):
 @pytest.mark.parametrize("layout,parallel", [
     ("gkd-cp", {"cp": 2}),  # the student samples as an ordinary model, then trains on its samples cut over cp
     ("gkd-tp", {"tp": 2}),  # the tp group decodes in lockstep on the same prompts
+    # decodes stage by stage; the samples keep their prompts' rows (the pipeline's fixed shapes),
+    # the teacher split into the same stages
+    ("gkd-pp", {"pp": 2}),
 ])
 def test_on_policy_distillation_under_parallel_layouts_matches_one_process(root, gkd_reference, layout, parallel):
     """GKD (mode on_policy): half the batches are the student's own completions, scored by the
     teacher laid out as the student; the same samples and steps as one process."""
-    cfg = distill_config(root, layout, parallel=parallel, optim=optim(2), **GKD)
+    ref, ref_dir = gkd_reference, "gkd-ref"
+    data = {}
+    if "pp" in parallel:  # fixed shapes: micro-batches of rows, one document each (a sample, longer than
+        # the document it replaces, still fits its row), and its own one-process reference
+        data, ref_dir = {"data": dict(PP_DATA, packing=False)}, "gkd-pp-ref"
+        ref = in_process(distill_config(root, ref_dir, optim=optim(2), **data, **GKD))
+    cfg = distill_config(root, layout, parallel=parallel, optim=optim(2), **data, **GKD)
     records = torchrun_stage(cfg, root / f".work-{layout}", 2)
-    assert_same_run(records, gkd_reference, root / layout, root / "gkd-ref", ("val/kl_initial", "val/kl"))
-    samples = [json.loads((root / d / "manifest.json").read_text())["metrics"]["on_policy/samples"]
-               for d in ("gkd-ref", layout)]
-    assert samples[0] == samples[1] > 0
+    assert_same_run(records, ref, root / layout, root / ref_dir, ("val/kl_initial", "val/kl"))
+    metrics = [json.loads((root / d / "manifest.json").read_text())["metrics"] for d in (ref_dir, layout)]
+    assert metrics[0]["on_policy/samples"] == metrics[1]["on_policy/samples"] > 0
+    assert metrics[1]["on_policy/truncated"] == 0
 
 
 @pytest.mark.slow
@@ -487,10 +498,8 @@ def test_qlora_sft_under_fsdp_and_tp_matches_one_process(root, qlora_reference, 
 def test_unsupported_layouts_are_refused_when_the_config_loads():
     from core.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"^mode: 'on_policy' distillation does not run under pipeline"):
-        load_config(DistillConfig, overrides=["parallel.pp=2", "mode=on_policy"])
-    with pytest.raises(ConfigError, match=r"^parallel\.pp: on-policy DPO samples from the policy"):
-        load_config(DPOConfig, overrides=["parallel.pp=2", "pairs=on_policy"])
+    with pytest.raises(ConfigError, match=r"^mode: 'offline' distillation does not run under pipeline"):
+        load_config(DistillConfig, overrides=["parallel.pp=2", "mode=offline", "top_k=8"])
     with pytest.raises(ConfigError, match=r"^reference: 'model' .* does not run under pipeline"):
         load_config(DPOConfig, overrides=["parallel.pp=2", "reference=model"])
     with pytest.raises(ConfigError, match=r"^data\.batch_tokens: pipeline parallelism \(pp=2\) runs fixed"):
