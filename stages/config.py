@@ -361,9 +361,10 @@ class EvalConfig(StageConfig):
             raise ValueError(f"pass_k={self.pass_k}: every k must be >= 1")
         if max(self.pass_k, default=1) > self.num_samples:
             raise ValueError(f"pass_k={self.pass_k} needs num_samples >= {max(self.pass_k)}")
-        if self.parallel.pp > 1:
-            raise ValueError(f"parallel.pp: evaluation does not run pipeline parallelism (pp={self.parallel.pp}); "
-                             "hold each model whole, split by parallel.tp, or sharded by parallel.dp_shard / ep")
+        p = self.parallel
+        if p.pp > 1 and (p.dp_shard > 1 or p.cp > 1 or p.ep > 1):
+            raise ValueError(f"parallel.pp: evaluation under pipeline parallelism (pp={p.pp}) splits each model "
+                             "into stages (x tp) with data-parallel replicas; not with dp_shard, cp or ep sharding")
         self._check_metrics()
         if self.launcher is not None:
             check_layout(self.parallel, self.launcher)

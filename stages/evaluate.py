@@ -67,6 +67,8 @@ def load_split(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
     gathered per forward and freed after), experts spread over ep, ring attention off (cp ranks
     score whole rows), each rank still scoring its own batches, all in lockstep (d.lockstep). The
     mesh is made with the first model."""
+    if cfg.parallel.pp > 1:
+        return load_staged(model_cfg, cfg, d)
     if cfg.parallel.tp == 1 and not sharded(cfg):
         return load_model(model_cfg, d.device, cfg.seed)[0]
     import torch.distributed as dist
@@ -91,6 +93,31 @@ def load_split(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
         d.lockstep = dist.group.WORLD
         log.info("evaluate: %s sharded over %s (fsdp=%s), the ranks in lockstep", model_cfg.name_or_path, d.mesh, fsdp)
     materialize_model(model, model_cfg, d.device, cfg.seed)
+    return model
+
+
+def load_staged(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
+    """Under parallel.pp: the model split into pipeline stages (x tp), each rank building and
+    reading only its stages' blocks (core.parallel.pipeline.keep_own_stages). Its forward walks
+    the stages in turn and generation decodes stage by stage (core.parallel.pipeline_decode); the
+    ranks of a pipeline (and their tp groups) score the same batches, the data-parallel replicas
+    their own. No sequence split under tp (whole rows, as for decoding)."""
+    from core.parallel import ParallelDims, ParallelMesh, parallelize_pipeline
+    from core.parallel.pipeline import keep_own_stages
+
+    model, _ = load_model(model_cfg, d.device, cfg.seed, meta=True)
+    layout = cfg.parallel.model_copy(update={"ep": 1, "sequence_parallel": False})
+    try:
+        ParallelDims.from_config(layout, d.world, model.args)
+        if d.mesh is None:  # one mesh for every model
+            d.mesh = ParallelMesh(ParallelDims.from_config(layout, d.world), d.device.type)
+    except ValueError as e:
+        raise fail(f"parallel: {e} (model {model_cfg.name_or_path!r})") from None
+    pipe = parallelize_pipeline(model.requires_grad_(False), layout, d.mesh, lambda logits, target: logits.sum(),
+                                d.device, 1, 1, data_parallel=False)
+    keep_own_stages(model, pipe)
+    materialize_model(model, model_cfg, d.device, cfg.seed)
+    log.info("evaluate: %s split into pipeline stages over %s", model_cfg.name_or_path, d.mesh)
     return model
 
 

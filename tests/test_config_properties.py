@@ -308,7 +308,7 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
             elif refused is None:  # the pairs of a micro-batch, cut into pp microbatches
                 pairs = DEFAULT["nodes"]["dpo"]["data"]["micro_batch_size"]
                 refused = "data.micro_batch_size" if pairs % sizes["pp"] else None
-        else:  # evaluation does not run pp (yet)
+        elif dp_shard > 1 or sizes["cp"] > 1 or sizes["ep"] > 1:  # evaluation: stages x tp, replicas, no sharding
             refused = "parallel.pp"
     if refused and (fits or not own_launcher):  # the stage's own check (before the world's, if both fail)
         assert isinstance(got, ConfigError) and f"nodes.{node}." in str(got), str(got)
@@ -458,8 +458,8 @@ def test_impossible_layout_stops_the_cli_before_any_launch(monkeypatch, capsys):
     assert err.startswith("config error: nodes.dpo.parallel: world size 2") and "(from --set nodes.dpo.parallel.cp=4)" in err
     assert main(["run", "--set", "nodes.dpo.parallel.cp=4"]) == 2  # refused before the flow starts
     assert "config error: nodes.dpo.parallel: world size 2" in capsys.readouterr().err
-    assert main(["run", "--set", "nodes.evaluate.parallel.pp=2"]) == 2  # what the stage cannot run, too
-    assert "config error: nodes.evaluate.parallel.pp: evaluation does not run pipeline" in capsys.readouterr().err
+    assert main(["run", "--set", "nodes.evaluate.parallel.pp=2", "--set", "nodes.evaluate.parallel.cp=2"]) == 2
+    assert "config error: nodes.evaluate.parallel.pp: evaluation under pipeline" in capsys.readouterr().err
     assert main(["run", "--set", "nodes.student.parallel.pp=2"]) == 2  # SFT runs pp, on fixed shapes only
     assert "config error: nodes.student.data.batch_tokens: pipeline parallelism" in capsys.readouterr().err
     assert main(["config", "--set", "nodes.teacher.output_dir=../../elsewhere"]) == 2

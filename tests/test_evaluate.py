@@ -435,7 +435,8 @@ def test_selection_and_names():
     ({"tp": 2}, ("alpha", "beta")),         # both ranks every batch, the models split over them
     ({"dp_shard": 2}, ("alpha", "beta")),   # each model sharded (FSDP), the ranks' batches in lockstep
     ({"ep": 2}, ("moe", "alpha")),          # an MoE's experts spread over the ranks (the dense one sharded)
-], ids=["data_parallel", "tp", "fsdp", "ep"])
+    ({"pp": 2}, ("alpha", "moe")),          # each model in 2 pipeline stages: forwards and decoding stage by stage
+], ids=["data_parallel", "tp", "fsdp", "ep", "pp"])
 def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path, parallel, models):
     """Sampled generations, perplexity and pairs over 2 torchrun ranks equal one process's: the same
     samples, the same metrics (log-probs to float rounding). Sharded (FSDP, EP), every forward is
@@ -455,6 +456,7 @@ def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path
     log = Path(result.log_file).read_text()
     assert result.ok, log[-3000:]
     assert ("ranks in lockstep" in log) == (set(parallel) & {"dp_shard", "ep"} != set())  # sharded, or not
+    assert log.count("split into pipeline stages") == (len(models) if "pp" in parallel else 0)
     two = json.loads((tmp_path / "two" / "manifest.json").read_text())
     first, second = (model_names([str(tiny / m) for m in models]))
     assert set(two["results"][first]) == set(one["results"][first]) >= {"pass@2", "perplexity", f"win_rate/{second}"}

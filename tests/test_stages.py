@@ -237,8 +237,9 @@ def test_evaluation_refuses_model_parallel_layouts():
     from core.config import ConfigError, load_config
     from stages.config import EvalConfig
 
-    with pytest.raises(ConfigError, match=r"^parallel\.pp: evaluation does not run pipeline parallelism \(pp=2\)"):
-        load_config(EvalConfig, overrides=["parallel.pp=2"])
+    with pytest.raises(ConfigError, match=r"^parallel\.pp: evaluation under pipeline parallelism \(pp=2\) splits"):
+        load_config(EvalConfig, overrides=["parallel.pp=2", "parallel.dp_shard=2"])
+    assert load_config(EvalConfig, overrides=["parallel.pp=2", "parallel.tp=2"]).parallel.pp == 2  # stages x tp
 
 
 def test_parallel_backend_is_the_process_groups(monkeypatch):

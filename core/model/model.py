@@ -316,7 +316,14 @@ class Transformer(nn.Module):
         """Logits (B, T, vocab); or, given `head`, head(hidden_states, output_weight).
 
         `head` runs the loss inside forward (fused/chunked cross entropy, log-probs, KL), so the
-        full logits never exist and parallel wrappers (FSDP, TP) see one forward call."""
+        full logits never exist and parallel wrappers (FSDP, TP) see one forward call. A model
+        split into pipeline stages (core.parallel.pipeline.keep_own_stages) runs its stages in
+        turn with the pipeline's other ranks (core.parallel.pipeline_decode), no cache."""
+        staged = getattr(self, "staged_forward", None)  # set by keep_own_stages
+        if staged is not None:
+            if cache is not None:
+                raise ValueError("a pipeline-parallel model decodes through core.model.generate")
+            return staged(input_ids, position_ids, attention_mask, head)
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, cache)
         if head is not None:
             return head(hidden, self.lm_head.weight)

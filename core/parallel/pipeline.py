@@ -293,3 +293,7 @@ def keep_own_stages(model: Transformer, pipe: Pipeline) -> None:
         if id(getattr(model, name)) not in kept:
             setattr(model, name, None)
     model.pipeline = pipe
+    from core.parallel.pipeline_decode import StagedModel
+
+    # model(...) for inference: the stages in turn with the pipeline's other ranks (Transformer.forward)
+    model.staged_forward = lambda *args: StagedModel(model, pipe).forward(*args)

@@ -9,6 +9,11 @@ log-probs) to the others, which feed them to stage 0 next. No microbatches overl
 idle while the others run, which is what "a stage-by-stage decode loop" costs; a generation
 engine with continuous batching is the place for more.
 
+`StagedModel.forward` is the same walk for a whole forward (no cache): what Transformer.forward
+runs on a model split by keep_own_stages, so inference that calls the model (evaluation's
+scoring, a judge) runs under pipeline parallelism unchanged; the last stage's result (the logits,
+or what `head` makes of the hidden states) is broadcast to the pipeline's other ranks.
+
 Under tensor parallelism inside the pipeline each rank runs its shard of the stage (heads split,
 no sequence split while decoding: parallel.tensor's decode mode) and sends to the rank with the
 same tp coordinate in the next stage; the last stage gathers its vocab-split logits.
@@ -20,9 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from typing import TYPE_CHECKING
+
 from core.model.model import KVCache, Transformer, attention_masks
 from core.model.rope import rope_cos_sin
-from core.parallel.pipeline import Pipeline, PipelineStageModule
+
+if TYPE_CHECKING:
+    from core.parallel.pipeline import Pipeline, PipelineStageModule
 
 
 class StagedModel:
@@ -71,6 +80,30 @@ class StagedModel:
         cache.length = start + T
         return logits
 
+    def forward(self, ids: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,
+                head=None) -> Tensor:
+        """Transformer.forward through the stages: the logits (B, T, V), or head(hidden, weight),
+        on every rank of the pipeline (computed on the last stage, broadcast). Positions mark
+        packed documents as in Transformer.hidden_states; mask (B, T) the real tokens."""
+        B, T = ids.shape
+        out = None
+        for s in range(self.n):
+            if s not in self.mine:
+                continue
+            if s > 0:
+                x = torch.empty(B, T, self.model.args.hidden_size, dtype=self.dtype, device=self.device)
+                dist.recv(x, self.owner(s - 1), group=self.group)
+            out = _run(self.mine[s], ids if s == 0 else x, positions, mask, None, 0, head=head, whole=True)
+            if s < self.n - 1:
+                dist.send(out.contiguous(), self.owner(s + 1), group=self.group)
+        last = self.owner(self.n - 1)
+        meta = [(tuple(out.shape), out.dtype) if dist.get_rank() == last else None]
+        dist.broadcast_object_list(meta, last, group=self.group)
+        if dist.get_rank() != last:
+            out = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
+        dist.broadcast(out, last, group=self.group)
+        return out
+
     def share(self, token: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
         """Every rank of the pipeline takes the last stage's tokens and their log-probs."""
         src = self.owner(self.n - 1)
@@ -79,21 +112,27 @@ class StagedModel:
         return token, logp
 
 
-def _run(mod: PipelineStageModule, x: Tensor, positions: Tensor, mask: Tensor, cache: KVCache,
-         start: int) -> Tensor:
-    """One stage on T new positions from cache slot `start`: its hidden states out, or on the
-    last stage the (B, V) fp32 logits of the last position (gathered over tp)."""
+def _run(mod: PipelineStageModule, x: Tensor, positions: Tensor | None, mask: Tensor | None,
+         cache: KVCache | None, start: int, head=None, whole: bool = False) -> Tensor:
+    """One stage on T new positions from cache slot `start`: its hidden states out; on the last
+    stage the (B, V) fp32 logits of the last position (gathered over tp), or with `whole` the
+    logits of every position (B, T, V/tp), or head(hidden, weight)."""
     args = mod.args
     if mod.embed is not None:
         x = mod.embed(x)
-    T = x.shape[1]
-    cos, sin = rope_cos_sin(mod.inv_freq, positions, mod.rope_scale, x.dtype)
+    B, T = x.shape[:2]
+    packed = positions is not None and cache is None
+    slots = torch.arange(start, start + T, device=x.device)[None].expand(B, T)
+    cos, sin = rope_cos_sin(mod.inv_freq, positions if positions is not None else slots, mod.rope_scale, x.dtype)
     ids = [int(name) for name in mod.layers]
-    masks = attention_masks(args, ids, None, T, start, mask, x.device)
+    masks = attention_masks(args, ids, positions if packed else None, T, start, mask, x.device)
     for name, layer in mod.layers.items():
         x = layer(x, cos, sin, masks[args.window_of(int(name))], cache)
     if mod.lm_head is None:
         return x
+    if whole:
+        h = mod.norm(x)
+        return mod.lm_head(h) if head is None else head(h, mod.lm_head.weight)
     logits = mod.lm_head(mod.norm(x[:, -1])).float()
     group = getattr(mod.lm_head, "tp_group", None)
     if group is not None:

@@ -222,7 +222,7 @@ def generate_records(model, tok, enc: Encoded, data: EvalData, cfg: EvalConfig, 
 @torch.no_grad()
 def sequence_logps(model, docs: list[Document], pad_id: int) -> list[tuple[float, int]]:
     """(summed log-prob of each document's labelled tokens, their number), one right-padded forward."""
-    device = model.embed.weight.device
+    device = next(model.parameters()).device  # (a pipeline stage's part may hold no embedding)
     width = max(len(doc) for doc in docs)
     ids = torch.full((len(docs), width), pad_id, dtype=torch.long)
     labels = torch.full((len(docs), width), IGNORE_INDEX, dtype=torch.long)
