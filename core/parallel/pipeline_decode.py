@@ -61,23 +61,30 @@ class StagedModel:
         return KVCache.empty(self.model.args, batch, max_len, self.device, self.dtype, kv_heads=kv_heads,
                              layers=self.layers)
 
-    def last_logits(self, ids: Tensor, positions: Tensor, mask: Tensor, cache: KVCache) -> Tensor | None:
-        """(B, V) fp32 next-token logits on the last stage's rank; None on the others."""
+    def _walk(self, ids: Tensor, run) -> Tensor | None:
+        """This rank's stages in order: each takes the previous stage's hidden states (from its
+        rank; stage 0 the ids), runs `run(stage module, input)`, and sends its output on. The
+        last stage's output on its rank, None on the others."""
         B, T = ids.shape
-        start = cache.length
-        x, logits = None, None
+        out = None
         for s in range(self.n):
             if s not in self.mine:
                 continue
+            x = ids
             if s > 0:
                 x = torch.empty(B, T, self.model.args.hidden_size, dtype=self.dtype, device=self.device)
                 dist.recv(x, self.owner(s - 1), group=self.group)
-            out = _run(self.mine[s], ids if s == 0 else x, positions, mask, cache, start)
-            if s == self.n - 1:
-                logits = out
-            else:
+            out = run(self.mine[s], x)
+            if s < self.n - 1:
                 dist.send(out.contiguous(), self.owner(s + 1), group=self.group)
-        cache.length = start + T
+                out = None
+        return out
+
+    def last_logits(self, ids: Tensor, positions: Tensor, mask: Tensor, cache: KVCache) -> Tensor | None:
+        """(B, V) fp32 next-token logits on the last stage's rank; None on the others."""
+        start = cache.length
+        logits = self._walk(ids, lambda mod, x: _run(mod, x, positions, mask, cache, start))
+        cache.length = start + ids.shape[1]
         return logits
 
     def forward(self, ids: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,
@@ -85,21 +92,11 @@ class StagedModel:
         """Transformer.forward through the stages: the logits (B, T, V), or head(hidden, weight),
         on every rank of the pipeline (computed on the last stage, broadcast). Positions mark
         packed documents as in Transformer.hidden_states; mask (B, T) the real tokens."""
-        B, T = ids.shape
-        out = None
-        for s in range(self.n):
-            if s not in self.mine:
-                continue
-            if s > 0:
-                x = torch.empty(B, T, self.model.args.hidden_size, dtype=self.dtype, device=self.device)
-                dist.recv(x, self.owner(s - 1), group=self.group)
-            out = _run(self.mine[s], ids if s == 0 else x, positions, mask, None, 0, head=head, whole=True)
-            if s < self.n - 1:
-                dist.send(out.contiguous(), self.owner(s + 1), group=self.group)
+        out = self._walk(ids, lambda mod, x: _run(mod, x, positions, mask, None, 0, head=head, whole=True))
         last = self.owner(self.n - 1)
-        meta = [(tuple(out.shape), out.dtype) if dist.get_rank() == last else None]
+        meta = [(tuple(out.shape), out.dtype) if out is not None else None]
         dist.broadcast_object_list(meta, last, group=self.group)
-        if dist.get_rank() != last:
+        if out is None:
             out = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
         dist.broadcast(out, last, group=self.group)
         return out
