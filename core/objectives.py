@@ -266,24 +266,25 @@ def topk_distill_objective(rows: Callable, kind: str = "forward_kl", temperature
 @torch.no_grad()
 def teacher_topk(teacher: nn.Module, batch: dict[str, Any], k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's top-k (ids int32, log-probs) at every position of a padding-free batch,
-    (T, k), chunked so the full logits never exist. Under tensor parallelism (the teacher split
-    like the student) from its vocab-split logits (vocab_parallel_topk), every rank of the tp
-    group getting the same rows; sequence parallelism is switched off for it."""
+    (T, k), taken in the forward's head, chunked, so the full logits never exist. Under tensor
+    parallelism (the teacher split like the student) from its vocab-split logits
+    (vocab_parallel_topk), every rank of the tp group getting the same rows; sequence parallelism
+    is switched off for it. Under pipeline parallelism the last stage takes them and the
+    pipeline's other ranks get them too (a pipeline-split model's forward)."""
     from core.parallel.tensor import decode_without_sequence_parallel
 
-    group = _tp_group(teacher)
-    ids, logps = [], []
-    if group is None:
-        h, w = teacher(batch["input_ids"], batch["position_ids"], head=lambda h, w: (h, w))
+    def head(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        group = _tp_group(teacher)  # looked up here: under pp only the last stage holds the head
+        ids, logps = [], []
         for j in range(0, h.shape[1], CHUNK):
-            top = (h[0, j:j + CHUNK].float() @ w.float().T).log_softmax(-1).topk(k, dim=-1)
-            ids.append(top.indices.int())
-            logps.append(top.values)
-    else:
-        with decode_without_sequence_parallel(teacher):  # whole sequences on every tp rank
-            h = teacher(batch["input_ids"], batch["position_ids"], head=lambda h, w: h)
-            for j in range(0, h.shape[1], CHUNK):
+            if group is None:
+                top = (h[0, j:j + CHUNK].float() @ w.float().T).log_softmax(-1).topk(k, dim=-1)
+                top_ids, top_lp = top.indices, top.values
+            else:
                 top_ids, top_lp = vocab_parallel_topk(teacher.lm_head(h[:, j:j + CHUNK])[0], k, group)
-                ids.append(top_ids.int())
-                logps.append(top_lp)
-    return torch.cat(ids), torch.cat(logps)
+            ids.append(top_ids.int())
+            logps.append(top_lp)
+        return torch.cat(ids), torch.cat(logps)
+
+    with decode_without_sequence_parallel(teacher):  # whole sequences on every tp rank
+        return teacher(batch["input_ids"], batch["position_ids"], head=head)

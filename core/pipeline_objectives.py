@@ -1,4 +1,4 @@
-"""Objectives under pipeline parallelism (core.parallel.pipeline): SFT, DPO and online
+"""Objectives under pipeline parallelism (core.parallel.pipeline): SFT, DPO and online and offline
 distillation for the Trainer, each running the schedule's forward and backward itself.
 
 The schedule runs fixed shapes, so a micro-batch is re-laid as `rows` padded rows of `seq_len`
@@ -20,9 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from core.losses import IGNORE_INDEX, distill_loss, dpo_loss
+from core.losses import IGNORE_INDEX, distill_loss, distill_loss_topk, dpo_loss
 from core.losses import token_logps as core_token_logps
-from core.parallel.losses import vocab_parallel_cross_entropy, vocab_parallel_distill_loss, vocab_parallel_token_logps
+from core.parallel.losses import (vocab_parallel_cross_entropy, vocab_parallel_distill_loss, vocab_parallel_distill_topk,
+                                  vocab_parallel_token_logps)
 from core.trainer import LossOutput
 
 
@@ -136,13 +137,14 @@ def pipeline_pair_logps(pipe, batch: dict[str, Any], rows: int, seq_len: int, pp
 
 def pipelined_dpo(pipe, rows: int, seq_len: int, pp_group: dist.ProcessGroup, beta: float, loss_type: str = "sigmoid",
                   label_smoothing: float = 0.0, simpo_gamma: float = 0.5, sft_weight: float = 0.0,
-                  reference: str = "batch") -> Callable:
+                  reference: str = "batch", reference_pipe=None) -> Callable:
     """dpo_objective under pipeline parallelism: each micro-batch of pairs (padded rows, chosen
     and rejected side by side: `_pair_rows`) runs the schedule, the last stage's loss of a
     microbatch the DPO loss summed over its pairs (filler pairs weigh 0), the reference log-probs
     riding in the target beside the labels: `reference` "batch" (precomputed, batch["ref_logps"]),
-    "disable_adapter" (the LoRA base: a forward-only pass first) or "none" (SimPO). The loss and
-    the reward metrics are then shared over the stages."""
+    "disable_adapter" (the LoRA base: a forward-only pass first), "model" (a frozen copy split
+    into the same stages, `reference_pipe`: its forward-only pass first) or "none" (SimPO). The
+    loss and the reward metrics are then shared over the stages."""
 
     def objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
         from core.lora import disable_adapter
@@ -152,6 +154,8 @@ def pipelined_dpo(pipe, rows: int, seq_len: int, pp_group: dist.ProcessGroup, be
         if reference == "disable_adapter":
             with disable_adapter(model):
                 ref = pipeline_pair_logps(pipe, batch, rows, seq_len, pp_group)
+        elif reference == "model":
+            ref = pipeline_pair_logps(reference_pipe, batch, rows, seq_len, pp_group)
         elif reference == "batch":
             ref = batch["ref_logps"]
         (ids, pos, labels, _), order = _pair_rows(batch, rows, seq_len)
@@ -221,17 +225,69 @@ def pipelined_distill(pipe, teacher_pipe, rows: int, seq_len: int, pp_group: dis
             if group is not None:
                 loss = vocab_parallel_distill_loss(logits, t_logits, group, kind, temperature, beta, mask,
                                                    reduction="sum")
-                ce = (lambda: vocab_parallel_cross_entropy(logits, t, group, reduction="sum", shift=False))
             else:
                 loss = distill_loss(logits, t_logits, kind, temperature, beta, mask=mask, reduction="sum")
-                ce = (lambda: F.cross_entropy(logits.flatten(0, 1).float(), t.flatten(), ignore_index=IGNORE_INDEX,
-                                              reduction="sum"))
-            return loss + ce_weight * ce() if ce_weight else loss
+            return _plus_ce(loss, ce_weight, logits, t, group)
 
-        with pipe.loss.using(kd):
-            losses = pipe.step(ids, pos, target=target, backward=train)
-        loss = losses.sum().float() if losses is not None else torch.zeros((), device=ids.device)
-        dist.all_reduce(loss, group=pp_group)  # only the last stage had it
-        return LossOutput(loss, per_row.sum(), backward_done=train)
+        return _run_kd(pipe, kd, ids, pos, target, per_row, pp_group, train)
 
     return objective
+
+
+def pipelined_topk_distill(pipe, rows_of: Callable, rows: int, seq_len: int, pp_group: dist.ProcessGroup,
+                           kind: str = "forward_kl", temperature: float = 1.0, beta: float = 0.5,
+                           ce_weight: float = 0.0) -> Callable:
+    """topk_distill_objective under pipeline parallelism: the cached teacher top-k of the batch's
+    documents (`rows_of(doc_indices)`: (T, k) ids and log-probs, the documents' positions in
+    order) laid out as the pipeline's rows (each row's documents one after the other, as
+    `pipeline_rows` lays their tokens), cut into the schedule's microbatches, and met on the last
+    stage by the divergence over each microbatch's target positions (vocab-parallel under TP)."""
+
+    def objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
+        ids, pos, target, per_row = pipeline_rows(batch, rows, seq_len)
+        t_ids, t_lp = rows_of(batch["doc_indices"])
+        k = t_ids.shape[-1]
+        top_ids = torch.zeros(rows, seq_len, k, dtype=torch.long, device=ids.device)
+        top_lp = torch.zeros(rows, seq_len, k, dtype=t_lp.dtype, device=ids.device)
+        start = 0
+        for b, n in enumerate(batch["attention_mask"].sum(-1).tolist()):  # each row's real tokens
+            top_ids[b, :n], top_lp[b, :n] = t_ids[start:start + n], t_lp[start:start + n]
+            start += n
+        mb = rows // pipe.microbatches
+        queue = iter(range(pipe.microbatches))  # the schedules run the last stage's microbatches in order
+        group = pipe.loss.tp_group
+
+        def kd(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            m = next(queue)
+            sel = t != IGNORE_INDEX
+            z, ti, tl = logits[sel], top_ids[m * mb:(m + 1) * mb][sel], top_lp[m * mb:(m + 1) * mb][sel]
+            if group is not None:
+                loss = vocab_parallel_distill_topk(z, ti, tl.to(z.dtype), group, kind, temperature, beta,
+                                                   reduction="sum")
+            else:
+                loss = distill_loss_topk(z, ti, tl.to(z.dtype), kind, temperature, beta, reduction="sum")
+            return _plus_ce(loss, ce_weight, logits, t, group)
+
+        return _run_kd(pipe, kd, ids, pos, target, per_row, pp_group, torch.is_grad_enabled())
+
+    return objective
+
+
+def _plus_ce(loss: torch.Tensor, ce_weight: float, logits: torch.Tensor, t: torch.Tensor,
+             group: dist.ProcessGroup | None) -> torch.Tensor:
+    """loss + ce_weight x the token cross entropy of a microbatch (summed; vocab-parallel under tp)."""
+    if not ce_weight:
+        return loss
+    if group is not None:
+        return loss + ce_weight * vocab_parallel_cross_entropy(logits, t, group, reduction="sum", shift=False)
+    return loss + ce_weight * F.cross_entropy(logits.flatten(0, 1).float(), t.flatten(), ignore_index=IGNORE_INDEX,
+                                              reduction="sum")
+
+
+def _run_kd(pipe, kd: Callable, ids, pos, target, per_row, pp_group, train: bool) -> LossOutput:
+    """The student's schedule with `kd` as the last stage's loss; the loss shared over the stages."""
+    with pipe.loss.using(kd):
+        losses = pipe.step(ids, pos, target=target, backward=train)
+    loss = losses.sum().float() if losses is not None else torch.zeros((), device=ids.device)
+    dist.all_reduce(loss, group=pp_group)  # only the last stage had it
+    return LossOutput(loss, per_row.sum(), backward_done=train)

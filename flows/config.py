@@ -51,6 +51,8 @@ class PipelineConfig(ConfigModel):
     lock_wait_s: float = Field(
         0.0, ge=0, description="How long a node waits for another run holding its output dir; 0 = fail at once.")
     schedule: str | None = Field("0 3 * * 1", description="Deployment cron (Mon 03:00); None = manual.")
+    schedule_timezone: str | None = Field(None, description="IANA timezone the cron runs in (e.g. Europe/Paris); "
+                                                            "None = this machine's.")
     stage_retries: int = Field(2, ge=0, description="Retries of a failed node (it resumes from its checkpoint).")
     retry_delay_s: float = Field(10.0, ge=0, description="First retry delay; each next one is 3x longer.")
 
@@ -107,6 +109,18 @@ class PipelineConfig(ConfigModel):
     def _cron(cls, v: str | None) -> str | None:
         if v is not None and len(v.split()) != 5:
             raise ValueError(f"schedule {v!r} is not a 5-field cron expression")
+        return v
+
+    @field_validator("schedule_timezone")
+    @classmethod
+    def _timezone(cls, v: str | None) -> str | None:
+        from zoneinfo import ZoneInfo
+
+        if v is not None:
+            try:
+                ZoneInfo(v)
+            except (ValueError, KeyError, OSError):
+                raise ValueError(f"schedule_timezone {v!r} is not an IANA timezone (e.g. Europe/Paris, UTC)") from None
         return v
 
     @model_validator(mode="after")

@@ -18,15 +18,39 @@ ON_DEMAND = "on-demand"
 SCHEDULED = "scheduled-retraining"
 
 
+def machine_timezone() -> str:
+    """This machine's IANA timezone: $TZ, else what /etc/localtime links to, else UTC."""
+    import os
+    from zoneinfo import ZoneInfo
+
+    candidates = [os.environ.get("TZ", "").lstrip(":")]
+    try:
+        candidates.append(str(Path("/etc/localtime").resolve()).split("zoneinfo/", 1)[1])
+    except IndexError:
+        pass
+    for tz in candidates:
+        try:
+            if tz:
+                ZoneInfo(tz)
+                return tz
+        except (ValueError, KeyError, OSError):
+            continue
+    return "UTC"
+
+
 def build_deployments(cfg: PipelineConfig) -> list:
+    from prefect.schedules import Cron
+
     params = {"config": cfg.model_dump(mode="json")}
     deployments = [post_training.to_deployment(
         name=ON_DEMAND, parameters=params, tags=["posttrain"],
         description="Run the post-training pipeline now; edit the config in the run form.")]
     if cfg.schedule:
+        tz = cfg.schedule_timezone or machine_timezone()
         deployments.append(post_training.to_deployment(
-            name=SCHEDULED, cron=cfg.schedule, parameters=params, tags=["posttrain", "scheduled"],
-            description=f"Recurring retraining ({cfg.schedule}); parameters editable on the deployment."))
+            name=SCHEDULED, schedules=[Cron(cfg.schedule, timezone=tz)], parameters=params,
+            tags=["posttrain", "scheduled"],
+            description=f"Recurring retraining ({cfg.schedule}, {tz}); parameters editable on the deployment."))
     return deployments
 
 

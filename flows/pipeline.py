@@ -20,6 +20,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
+from prefect.states import Completed
 
 from core.config import dump_config
 from core.manifest import CHECKPOINTS, MANIFEST, clear_partial, digest, is_stage_dir, read_manifest
@@ -69,12 +70,14 @@ class StageResult:
     metrics: dict[str, Any] = field(default_factory=dict)
     mlflow_run_id: str | None = None
     selected: str | None = None  # an evaluate node's chosen model
+    seconds: float | None = None  # wall time of the launch (None: served from the cache)
 
     @classmethod
-    def of(cls, name: str, kind: str, out: Path, cached: bool) -> StageResult:
+    def of(cls, name: str, kind: str, out: Path, cached: bool, seconds: float | None = None) -> StageResult:
         m = read_manifest(out)
         sel = (m.get("selected") or {}).get("model")
-        return cls(name, str(out), cached, m["digest"], kind, m.get("metrics", {}), m.get("mlflow_run_id"), sel)
+        return cls(name, str(out), cached, m["digest"], kind, m.get("metrics", {}), m.get("mlflow_run_id"), sel,
+                   seconds)
 
 
 def _prepare_dir(out: Path, key: str) -> bool:
@@ -167,8 +170,11 @@ def run_node(dag: PipelineDAG, name: str, upstream: dict[str, StageResult], pare
     out = Path(spec.output_dir)
     with node_lock(dag.cfg.run_dir, name, dag.cfg.lock_wait_s, owner=pool_id):
         if _prepare_dir(out, key):
-            logger.info("%s: inputs and settings unchanged, using %s (cached)", name, out)
-            return StageResult.of(name, kind, out, True)
+            r = StageResult.of(name, kind, out, True)
+            logger.info("%s: inputs and settings unchanged (key %s), using %s from MLflow run %s (cached)", name,
+                        key[:16], out, r.mlflow_run_id)
+            # Prefect's own Cached state: the UI shows the node as served from the cache, not as a 1 s run
+            return Completed(data=r, name="Cached", message=f"cached: key {key[:16]}, MLflow run {r.mlflow_run_id}")
         if (out / MANIFEST).exists():
             (out / MANIFEST).unlink()
         env = {"POSTTRAIN_RUN_NAME": name, **({"POSTTRAIN_PARENT_RUN_ID": parent_run_id} if parent_run_id else {})}
@@ -187,8 +193,9 @@ def run_node(dag: PipelineDAG, name: str, upstream: dict[str, StageResult], pare
         if not result.ok:
             tail = "".join(Path(result.log_file).read_text().splitlines(keepends=True)[-30:])
             raise RuntimeError(f"node {name} failed with exit code {result.returncode}; log {result.log_file}:\n{tail}")
-        r = StageResult.of(name, kind, out, False)
-        logger.info("%s: done in %.1fs: %s", name, result.wall_time_s, json.dumps(r.metrics)[:500])
+        r = StageResult.of(name, kind, out, False, result.wall_time_s)
+        logger.info("%s: done in %.1fs, MLflow run %s: %s", name, result.wall_time_s, r.mlflow_run_id,
+                    json.dumps(r.metrics)[:500])
         return r
 
 
@@ -236,13 +243,14 @@ def post_training(config: PipelineConfig) -> PipelineResult:
     ctx = get_run_context()
     flow_run_id = str(ctx.flow_run.id)
     recover(cfg.tracking, cfg.name)  # what killed runs of this pipeline left: stale runs, orphaned servers
-    parent = create_tracker(cfg.tracking, run_name=f"{cfg.name}", tags={
+    parent = create_tracker(cfg.tracking, run_name=f"{cfg.name} ({ctx.flow_run.name})", tags={
         "posttrain.pipeline": cfg.name, "prefect.flow_run_id": flow_run_id,
         "prefect.flow_run_name": str(ctx.flow_run.name)}, rank=0)
     parent.log_params(dump_config(cfg))
     parent.log_dict(dag.describe(), "dag.json")
     parent.flush(timeout=60)  # creates the run: children need its id
     parent_id = getattr(parent, "run_id", None)
+    logger.info("MLflow parent run %s (%s)", parent_id, cfg.tracking.tracking_uri)
     futures: dict[str, Any] = {}
     results: dict[str, StageResult] = {}
     delays = [cfg.retry_delay_s * 3**i for i in range(cfg.stage_retries)]
@@ -275,9 +283,13 @@ def post_training(config: PipelineConfig) -> PipelineResult:
             registered = register_and_promote(cfg.registry, cfg.tracking.tracking_uri, parent_id,
                                               registry_source(dag, results))
             parent.log_dict(registered, "registry_decision.json")
-        from flows.report import log_reports
+            logger.info("registry: %s version %s (%s) %s", registered["model_name"], registered["version"],
+                        registered["model"], "promoted to champion" if registered["promoted"] else
+                        "registered as candidate, not promoted")
+        from flows.report import log_reports, publish_run_artifact
 
         log_reports(cfg, results, parent)
+        publish_run_artifact(cfg, dag.order, results, parent, registered)
         leases = release_pool(flow_run_id)
         parent.log_dict(leases, "device_leases.json")
         parent.end("FINISHED")

@@ -16,7 +16,15 @@ def _metric_history(client, run_id: str, key: str) -> tuple[list[int], list[floa
     return [m.step for m in hist], [m.value for m in hist]
 
 
+# One panel per metric family, one series per node (stages.recipe: the run metric names).
+CURVES = [("training objective", ("train/sft_loss", "train/kd_loss", "train/dpo_loss")),
+          ("val/loss", ("val/loss",)), ("val/kl", ("val/kl",)),
+          ("val/accuracy (DPO)", ("val/accuracy",)), ("val/margin (DPO)", ("val/margin",))]
+
+
 def loss_curves(cfg, results: dict[str, Any]):
+    """The training nodes' curves: a panel per family, each node a series, every point drawn
+    (a short run is a few points)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,15 +33,20 @@ def loss_curves(cfg, results: dict[str, Any]):
 
     client = MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
     runs = {n: r.mlflow_run_id for n, r in results.items() if r.mlflow_run_id and r.kind in ("sft", "distill", "dpo")}
-    fig, axes = plt.subplots(1, max(len(runs), 1), figsize=(4.5 * max(len(runs), 1), 3.5), squeeze=False)
-    for ax, (name, run_id) in zip(axes[0], runs.items()):
-        for key in ("loss", "val/loss", "val/kl"):
-            steps, values = _metric_history(client, run_id, key)
-            if steps:
-                ax.plot(steps, values, label=key, marker="." if key != "loss" else None)
-        ax.set_title(name)
+    panels = []
+    for title, keys in CURVES:
+        series = [(f"{name} ({key})" if len(keys) > 1 else name, *_metric_history(client, run_id, key))
+                  for name, run_id in runs.items() for key in keys]
+        series = [s for s in series if s[1]]
+        if series:
+            panels.append((title, series))
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.5 * max(len(panels), 1), 3.5), squeeze=False)
+    for ax, (title, series) in zip(axes[0], panels):
+        for label, steps, values in series:
+            ax.plot(steps, values, label=label, marker="o", markersize=3)
+        ax.set_title(title)
         ax.set_xlabel("step")
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
@@ -93,3 +106,59 @@ def log_reports(cfg, results: dict[str, Any], parent) -> None:
                 parent.log_figure(eval_chart(r), f"plots/eval_comparison_{name}.png")
     except Exception as e:  # noqa: BLE001
         log.warning("could not make the report plots: %s", e)
+
+
+def mlflow_link(tracking_uri: str, experiment_id: str | None, run_id: str | None, text: str | None = None) -> str:
+    """A markdown link to an MLflow run in the UI when the tracking URI is a server, else its id."""
+    if not run_id:
+        return "-"
+    label = text or run_id[:12]
+    if experiment_id and tracking_uri.startswith(("http://", "https://")):
+        return f"[{label}]({tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id})"
+    return f"`{run_id}`"
+
+
+def run_summary_markdown(cfg, order: list[str], results: dict[str, Any], parent,
+                         registered: dict[str, Any] | None) -> str:
+    """What a Prefect flow run's artifact shows: every node (cached or not, its key metric, its
+    wall time, its MLflow run), the pipeline's MLflow parent run and the registry decision."""
+    uri, exp = cfg.tracking.tracking_uri, getattr(parent, "experiment_id", None)
+    table = {row["stage"]: row for row in stage_table(results)}
+    lines = [f"# {cfg.name}", "",
+             f"MLflow parent run: {mlflow_link(uri, exp, getattr(parent, 'run_id', None))} ({uri})", "",
+             "| node | kind | status | metric | before | after | duration | MLflow run |",
+             "|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v: "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    for name in order:
+        r = results.get(name)
+        if r is None:
+            lines.append(f"| {name} | | not run | | | | | |")
+            continue
+        row = table.get(name, {})
+        status = "cached" if r.cached else "ran"
+        took = "cached" if r.cached or r.seconds is None else f"{r.seconds:.1f} s"
+        lines.append(f"| {name} | {r.kind} | {status} | {row.get('metric', '')} | {fmt(row.get('before'))} | "
+                     f"{fmt(row.get('after'))} | {took} | {mlflow_link(uri, exp, r.mlflow_run_id)} |")
+    if registered:
+        version = f"{registered['model_name']} v{registered['version']}"
+        if uri.startswith(("http://", "https://")):
+            version = f"[{version}]({uri.rstrip('/')}/#/models/{registered['model_name']}/versions/" \
+                      f"{registered['version']})"
+        lines += ["", f"Registered {version} from `{registered['model']}` "
+                      f"({registered['metric']}): {'promoted to champion' if registered['promoted'] else 'candidate'}"]
+    return "\n".join(lines) + "\n"
+
+
+def publish_run_artifact(cfg, order: list[str], results: dict[str, Any], parent,
+                         registered: dict[str, Any] | None) -> None:
+    """The run summary as a Prefect markdown artifact of this flow run (best effort)."""
+    import re
+
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        key = re.sub(r"[^a-z0-9-]+", "-", cfg.name.lower()).strip("-") or "pipeline"
+        create_markdown_artifact(markdown=run_summary_markdown(cfg, order, results, parent, registered),
+                                 key=f"{key}-summary", description=f"posttrain pipeline {cfg.name}: every node")
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not publish the Prefect run artifact: %s", e)

@@ -1,5 +1,6 @@
 """`posttrain ui`: a real `prefect server` and `mlflow server` on 127.0.0.1 (SQLite by default,
-Postgres when a backend store URI says so), their URLs printed, both stopped cleanly on Ctrl-C."""
+Postgres when a backend store URI says so), their URLs printed, both stopped cleanly on Ctrl-C,
+SIGTERM (a service manager, `kill`) or SIGHUP (the terminal closed)."""
 
 from __future__ import annotations
 
@@ -43,10 +44,13 @@ def start_servers(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port
                                     start_new_session=True),
          f"http://{host}:{mlflow_port}/health"),
     ]
-    for name, proc, health in procs:
-        if not _wait_http(health, proc, timeout):
-            stop_servers(procs)
-            raise RuntimeError(f"{name} server did not come up at {health}")
+    try:
+        for name, proc, health in procs:
+            if not _wait_http(health, proc, timeout):
+                raise RuntimeError(f"{name} server did not come up at {health}")
+    except BaseException:  # not up, or stopped (a signal) while coming up: leave nothing behind
+        stop_servers(procs)
+        raise
     return procs
 
 
@@ -65,17 +69,29 @@ def stop_servers(procs, grace: float = 10.0) -> None:
 
 def run_ui(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port: int = 5000,
            backend_store: str | None = None) -> int:
+    def stop(signum, frame):
+        raise KeyboardInterrupt  # the same way out as Ctrl-C: through `finally`, which stops both
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _serve(host, prefect_port, mlflow_port, backend_store)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve(host: str, prefect_port: int, mlflow_port: int, backend_store: str | None) -> int:
     procs = start_servers(host, prefect_port, mlflow_port, backend_store)
     print(f"Prefect UI:  http://{host}:{prefect_port}")
     print(f"MLflow UI:   http://{host}:{mlflow_port}")
     print(f"Point runs at them:  export PREFECT_API_URL=http://{host}:{prefect_port}/api "
           f"MLFLOW_TRACKING_URI=http://{host}:{mlflow_port}")
-    print("Ctrl-C stops both.")
+    print("Ctrl-C (or SIGTERM, SIGHUP) stops both.", flush=True)
     try:
         while all(p.poll() is None for _, p, _ in procs):
             time.sleep(1)
         return 1  # one died on its own
-    except KeyboardInterrupt:
-        return 0
     finally:
         stop_servers(procs)

@@ -211,10 +211,6 @@ class DistillConfig(TrainStageConfig):
     def _check_distill(self) -> DistillConfig:
         if self.mode == "offline" and self.top_k is None:
             raise ValueError("mode='offline' stores teacher logits per token; set top_k (e.g. 64)")
-        if self.parallel.pp > 1 and self.mode == "offline":
-            raise ValueError(f"mode: 'offline' distillation does not run under pipeline parallelism "
-                             f"(pp={self.parallel.pp}) yet (it reads the top-k cache per document); "
-                             "use mode='online' or 'on_policy', or pp=1")
         return self
 
     def check_stage_layout(self) -> None:
@@ -286,9 +282,6 @@ class DPOConfig(TrainStageConfig):
                 raise ValueError("reference='disable_adapter' with PiSSA init is not the original model")
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
             raise ValueError(f"label_smoothing applies to loss_type sigmoid/robust, not {self.loss_type!r}")
-        if self.parallel.pp > 1 and self.reference == "model" and self.loss_type != "simpo":
-            raise ValueError(f"reference: 'model' (a frozen copy beside the policy) does not run under pipeline "
-                             f"parallelism (pp={self.parallel.pp}) yet; use 'precomputed' or 'disable_adapter'")
         return self
 
 

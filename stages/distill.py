@@ -39,12 +39,12 @@ from core.losses import IGNORE_INDEX
 from core.manifest import digest
 from core.model.generate import SamplingParams, generate
 from core.objectives import distill_objective, teacher_topk, topk_distill_objective
-from core.pipeline_objectives import pipelined_distill
+from core.pipeline_objectives import pipelined_distill, pipelined_topk_distill
 from stages.adapters import adapter_routing, per_adapter_loss, routed, trained_adapters
 from stages.common import Dist, StageError, parse_spec
 from stages.recipe import Plan, Session, load_frozen, run_training
-from stages.training import (DeviceLoader, doc_loader, drop_metrics, mean_loss, pipeline_of, sampling, sampling_unit,
-                             stage_data, to_device)
+from stages.training import (DeviceLoader, doc_loader, drop_metrics, mean_loss, pipeline_of, sampling, sampling_lead,
+                             sampling_unit, stage_data, to_device)
 
 log = logging.getLogger("posttrain.distill")
 
@@ -209,7 +209,7 @@ def score_teacher(teacher, docs: list[Document], k: int, cache: Path, teacher_id
     d.barrier()  # every rank sees the same files missing
     todo = [c for c in range(topk.chunks) if not topk.path(c).exists()]
     unit, units = sampling_unit(d)
-    writes = d.rank % (d.world // units) == 0  # the unit's first rank (tp is the innermost dimension)
+    writes = sampling_lead(d)
     mine = todo[unit::units]
     rounds = (len(todo) + units - 1) // units
     topk.dir.mkdir(parents=True, exist_ok=True)
@@ -261,21 +261,24 @@ class Distill:
                 train_docs = [Document(x.input_ids, list(x.input_ids)) for x in train_docs]
                 val_docs = [Document(x.input_ids, list(x.input_ids)) for x in val_docs]
         base = doc_loader(train_docs, cfg.data, d, epochs=cfg.epochs)
-        online = distill_objective(teacher, cfg.divergence, cfg.temperature, cfg.jsd_beta, cfg.ce_weight)
+        pipe = pipeline_of(d)
+        kd = (cfg.divergence, cfg.temperature, cfg.jsd_beta, cfg.ce_weight)
+        if pipe is not None:  # both split into the same stages: each micro-batch runs both schedules
+            online = pipelined_distill(pipe, teacher.pipeline, cfg.pipeline_rows(), cfg.data.max_seq_len,
+                                       d.mesh.group("pp"), *kd, teacher_phase=lambda: s.phase("teacher"))
+        else:
+            online = distill_objective(teacher, *kd)
         teacher_id = (teacher_manifest or {}).get("digest", cfg.teacher.name_or_path)
+        train = DeviceLoader(base, d.device)
+        objective = online
         if cfg.mode == "offline":  # before training: not part of the step time
             cache = Path(cfg.teacher_cache) if cfg.teacher_cache else s.out / "teacher_cache"
             topk = score_teacher(teacher, train_docs, cfg.top_k, cache, teacher_id, d)
-            objective = topk_distill_objective(topk.rows, cfg.divergence, cfg.temperature, cfg.jsd_beta,
-                                               cfg.ce_weight)
-            train = DeviceLoader(base, d.device)
-        else:
-            if pipeline_of(d) is not None:  # both split into the same stages: each micro-batch runs both schedules
-                online = pipelined_distill(pipeline_of(d), teacher.pipeline, cfg.pipeline_rows(),
-                                           cfg.data.max_seq_len, d.mesh.group("pp"), cfg.divergence, cfg.temperature,
-                                           cfg.jsd_beta, cfg.ce_weight, teacher_phase=lambda: s.phase("teacher"))
-            train = DeviceLoader(base, d.device)
-            objective, train = online, OnPolicyMix(train, s, prompts) if cfg.mode == "on_policy" else train
+            objective = topk_distill_objective(topk.rows, *kd) if pipe is None else \
+                pipelined_topk_distill(pipe, topk.rows, cfg.pipeline_rows(), cfg.data.max_seq_len, d.mesh.group("pp"),
+                                       *kd)
+        elif cfg.mode == "on_policy":
+            train = OnPolicyMix(train, s, prompts)
 
         names = trained_adapters(cfg)
         if names:  # each document through its adapter (on_policy is refused with several)

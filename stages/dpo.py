@@ -136,12 +136,13 @@ class DPO:
             if not pairs:
                 raise StageError(f"dpo: no training pairs in {', '.join(map(str, cfg.data.sources))}")
 
-        ref_train = ref_val = reference = None
+        ref_train = ref_val = reference = ref_model = None
         if cfg.loss_type != "simpo" and cfg.reference == "precomputed":
             ref_train = reference_logps(model, pairs, cfg, d, s.out / "reference")
             ref_val = reference_logps(model, val_pairs, cfg, d, s.out / "reference") if val_pairs else None
         elif cfg.loss_type != "simpo":  # simpo is reference-free
-            reference = live_reference(model, reference_model(cfg, d) if cfg.reference == "model" else None)
+            ref_model = reference_model(cfg, d) if cfg.reference == "model" else None
+            reference = live_reference(model, ref_model)
 
         def attach_ref(units: list[int], batch: dict) -> None:
             if ref_train is not None:
@@ -151,10 +152,12 @@ class DPO:
                                   reference=reference)
         pipe = pipeline_of(d)
         if pipe is not None:  # the schedule runs each micro-batch's pairs as microbatches
-            ref_mode = "none" if cfg.loss_type == "simpo" else "batch" if ref_train is not None else "disable_adapter"
+            ref_mode = "none" if cfg.loss_type == "simpo" else "batch" if ref_train is not None else \
+                "model" if ref_model is not None else "disable_adapter"
             objective = pipelined_dpo(pipe, cfg.pipeline_rows(), cfg.data.max_seq_len, d.mesh.group("pp"),
                                       cfg.beta, cfg.loss_type, cfg.label_smoothing, cfg.simpo_gamma, cfg.sft_weight,
-                                      reference=ref_mode)
+                                      reference=ref_mode,
+                                      reference_pipe=ref_model.pipeline if ref_model is not None else None)
         if trained_adapters(cfg):  # each pair through its adapter; the reference stays the base
             objective = routed(objective, trained_adapters(cfg))
         train = DeviceLoader(pair_loader(pairs, cfg, d, epochs=cfg.epochs, extra=attach_ref), d.device)

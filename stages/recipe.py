@@ -307,18 +307,42 @@ def train(s: Session, plan: Plan) -> tuple[dict[str, float], dict[str, float], f
     manager = CheckpointManager.from_config(s.out / CHECKPOINTS, cfg.checkpoint, trainable_only=cfg.lora.enabled,
                                             config=cfg.model_dump(mode="json"))
     before = plan.validate()
-    s.run.log_metrics({f"{k}_initial": v for k, v in before.items()}, step=0)
+    s.run.log_metrics(before, step=0)  # the validation curves start at step 0 (the manifest: <key>_initial)
     t0 = time.time()
     s.meter.start()
     with progress(steps, s.name, s.dist.is_main) as advance:
         last = fit(trainer, plan.loader, plan.objective, max_steps=steps, grad_accum=cfg.optim.grad_accum_steps,
                    manager=manager, resume=cfg.checkpoint.resume, log_every=cfg.tracking.log_every,
-                   on_metrics=s.run.log_metrics, evaluate=plan.validate, eval_every=cfg.eval_interval,
+                   on_metrics=lambda m, step: s.run.log_metrics(run_metric_names(m, s.name), step),
+                   evaluate=plan.validate, eval_every=cfg.eval_interval,
                    advance=advance, meter=s.meter,
                    reliability=Reliability.from_config(cfg.reliability, s.out / "watchdog"))
     manager.close()
     last = {**last, "steps": trainer.step}
     return last, before, time.time() - t0
+
+
+# The stage run's metric names, the same scheme in every training stage (docs/pipelines.md):
+#   train/<objective>_loss   the step's objective (sft_loss, kd_loss, dpo_loss): its own name, so a
+#                            compare view never puts different losses in one row
+#   train/...                the rest of the step: grad_norm, lr, tokens, skipped, rewards/*, moe/*,
+#                            per-adapter tokens/<a>, grad_norm/<a>
+#   val/...                  held-out metrics, from step 0 (before training) to the last step
+#   time/..., memory/...     throughput and memory (core.monitor); data/... what the data kept
+# The summary at the end (steps, train/seconds, time totals, data/...) is logged once, at the last step.
+OBJECTIVE_LOSS = {"sft": "train/sft_loss", "distill": "train/kd_loss", "dpo": "train/dpo_loss"}
+
+
+def run_metric_names(metrics: dict[str, float], stage: str) -> dict[str, float]:
+    """The trainer's per-step metrics under the run's names (above)."""
+    out = {}
+    for k, v in metrics.items():
+        if k == "loss":
+            k = OBJECTIVE_LOSS.get(stage, f"train/{stage}_loss")
+        elif not k.startswith(("val/", "time/", "memory/", "data/", "system/")):
+            k = f"train/{k}"
+        out[k] = v
+    return out
 
 
 # ------------------------------------------------------------------------------------------ finish
@@ -340,7 +364,9 @@ def finish(s: Session, plan: Plan, last: dict[str, float], before: dict[str, flo
         inputs = {"model": (s.upstream or {}).get("digest", cfg.model.name_or_path), **plan.inputs}
         manifest = write_manifest(out, s.name, outputs, metrics=metrics, config=cfg.model_dump(mode="json"),
                                   inputs=inputs, extra={"mlflow_run_id": s.run.run_id})
-        s.run.log_metrics(metrics, step=last["steps"])
+        # the summary only: the curves (val/*, the objective) were logged as they went
+        s.run.log_metrics({k: v for k, v in metrics.items() if not k.startswith("val/") and k != "train/loss"
+                           and not k.endswith("_initial")}, step=last["steps"])
         log_adapters(s.run, out, outputs)
         s.run.log_artifact(str(out / "manifest.json"))
     clear_checkpoints(out, d)

@@ -134,6 +134,12 @@ def sampling_unit(d: Dist) -> tuple[int, int]:
     return (d.rank % per_stage) // tp, per_stage // tp
 
 
+def sampling_lead(d: Dist) -> bool:
+    """Whether this rank is the first of its sampling unit (the one that writes what they share)."""
+    tp = d.mesh.dims.tp if d.mesh is not None else 1
+    return d.rank < d.world // (d.mesh.dims.pp if d.mesh is not None else 1) and d.rank % tp == 0
+
+
 @contextlib.contextmanager
 def sampling(model, cfg: ParallelConfig, gather: bool = True):
     """Around token-by-token generation from the policy. Under FSDP each unit is gathered once

@@ -52,13 +52,29 @@ def spec_of(cfg: PipelineConfig, name: str):
 
 # ------------------------------------------------------------------------------------ the demo
 
+def test_tracking_uri_from_the_environment_unless_set_and_always_absolute(tmp_path, monkeypatch):
+    """`posttrain ui` says `export MLFLOW_TRACKING_URI=...`: that wins over the default; a config's
+    own URI wins over both; a relative SQLite path becomes absolute where the config loads."""
+    from core.tracking import TrackingConfig
+    from flows.demo import DEMO_CONFIG as SHIPPED  # the shipped demo leaves the URI to the default
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert load_config(PipelineConfig, SHIPPED).tracking.tracking_uri == "http://127.0.0.1:5000"
+    assert demo("tracking.tracking_uri=sqlite:///runs.db").tracking.tracking_uri == f"sqlite:///{tmp_path}/runs.db"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert TrackingConfig().tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
+    assert TrackingConfig(tracking_uri="sqlite:////abs/m.db").tracking_uri == "sqlite:////abs/m.db"
+    assert TrackingConfig(tracking_uri="file:///abs/mlruns").tracking_uri == "file:///abs/mlruns"
+
+
 def test_demo_config_describes_the_embedded_pipeline():
     cfg = demo()
     assert {n: v.kind for n, v in cfg.nodes.items()} == {
         "prep": "data_prep", "teacher": "sft", "student": "sft", "distill": "distill", "dpo": "dpo",
         "evaluate": "evaluate"}
     assert cfg.launcher.kind == "local" and cfg.launcher.nproc_per_node == 2
-    assert cfg.tracking.tracking_uri == "sqlite:///mlflow.db"
+    assert cfg.tracking.tracking_uri == f"sqlite:///{Path('mlflow.db').resolve()}"  # absolute: one database
     assert cfg.nodes["student"].model.name_or_path == "debug"  # `model: debug`, the shorthand
     assert cfg.nodes["distill"].teacher.name_or_path == "teacher"
     assert cfg.nodes["evaluate"].data.sources == ["prep"]  # `data: prep`, the shorthand

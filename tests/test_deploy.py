@@ -47,6 +47,7 @@ def prefect_api(tmp_path_factory):
 def test_deployment_triggered_from_the_api(prefect_api, tmp_path):
     url, env = prefect_api
     cfg = {"name": "deployed", "workspace": str(tmp_path / "runs"), "schedule": "0 4 * * 2",
+           "schedule_timezone": "Europe/Paris",
            "nodes": {"prep": {"kind": "data_prep", "synthetic_size": 40}},
            "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
            "launcher": {"nproc_per_node": 1}}
@@ -69,7 +70,9 @@ def test_deployment_triggered_from_the_api(prefect_api, tmp_path):
                 time.sleep(2)
             assert {"on-demand", "scheduled-retraining"} <= deployments.keys()
             scheduled = deployments["scheduled-retraining"]
-            assert [s.schedule.cron for s in scheduled.schedules] == ["0 4 * * 2"]
+            assert [(s.schedule.cron, s.schedule.timezone) for s in scheduled.schedules] == [("0 4 * * 2",
+                                                                                            "Europe/Paris")]
+            assert "(0 4 * * 2, Europe/Paris)" in scheduled.description  # shown on the deployment
 
             # The UI's "Run" with an edited form: parameters come from the request.
             params = {"config": {**cfg, "name": "from-ui", "nodes": {"prep": {"kind": "data_prep", "synthetic_size": 24}}}}
@@ -82,3 +85,27 @@ def test_deployment_triggered_from_the_api(prefect_api, tmp_path):
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
         serve.wait(30)
+
+
+def test_schedule_timezone_is_a_setting_defaulting_to_the_machines(monkeypatch):
+    from core.config import ConfigError
+    from flows.deploy import build_deployments, machine_timezone
+    from core.config import load_config
+    from flows.config import PipelineConfig
+    from tests.pipelines import DEMO_CONFIG
+
+    def demo_config(sets=()):
+        return load_config(PipelineConfig, DEMO_CONFIG, list(sets))
+
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    assert machine_timezone() == "Asia/Tokyo"
+    monkeypatch.setenv("TZ", "Nowhere/Atlantis")  # not a zone: what /etc/localtime links to, else UTC
+    assert machine_timezone() in ("UTC", "Etc/UTC") or "/" in machine_timezone()
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    (_, scheduled) = build_deployments(demo_config())
+    assert [s.schedule.timezone for s in scheduled.schedules] == ["Asia/Tokyo"]
+    assert "Asia/Tokyo" in scheduled.description
+    (_, scheduled) = build_deployments(demo_config(["schedule_timezone=America/New_York"]))
+    assert [s.schedule.timezone for s in scheduled.schedules] == ["America/New_York"]
+    with pytest.raises(ConfigError, match=r"schedule_timezone: .*'Mars/Olympus' is not an IANA timezone"):
+        demo_config(["schedule_timezone=Mars/Olympus"])

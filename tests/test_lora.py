@@ -113,6 +113,14 @@ def test_config_object_globs_and_several_adapters():
     assert len(apply_lora(Tiny(), targets=["re:layers\\.0\\..*"])) == 6
 
 
+def test_expert_lora_refuses_what_it_cannot_run_when_the_config_loads():
+    with pytest.raises(ValueError, match=r"dropout: LoRA on MoE experts .* set dropout to 0"):
+        LoRAConfig(enabled=True, experts=True, dropout=0.1)
+    with pytest.raises(ValueError, match=r"experts: LoRA on MoE experts takes one plain adapter"):
+        LoRAConfig(enabled=True, experts=True, use_dora=True)
+    assert LoRAConfig(enabled=True, experts=True).experts
+
+
 def test_init_variants_and_modules_to_save():
     x = torch.randn(2, 5, H)
     model = Tiny()

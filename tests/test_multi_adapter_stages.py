@@ -109,9 +109,15 @@ def test_each_adapter_is_logged_and_registered_on_its_own(root):
     for name in ("a", "b"):
         files = {Path(f.path).name for f in client.list_artifacts(run_id, f"adapters/{name}")}
         assert files == {"adapter_config.json", "adapter_model.safetensors"}
-    history = client.get_metric_history(run_id, "tokens/b")
+    history = client.get_metric_history(run_id, "train/tokens/b")
     assert history and all(h.value > 0 for h in history)
-    assert client.get_metric_history(run_id, "grad_norm/a")
+    assert client.get_metric_history(run_id, "train/grad_norm/a")
+    # one metric scheme (stages.recipe.run_metric_names): the objective under its own name, the
+    # validation curve from step 0, no value logged twice at a step
+    logged = client.get_run(run_id).data.metrics
+    assert "train/sft_loss" in logged and not {"loss", "train/loss", "val/loss_initial"} & set(logged)
+    val = [h.step for h in client.get_metric_history(run_id, "val/loss")]
+    assert val[0] == 0 and val[-1] == 2 and len(val) == len(set(val)), val
 
     source = {"model_dir": str(root / "tracked" / "model-b"), "model_name": "model-b", "evaluate": "eval",
               "metrics": {"exact_match": 0.5}, "lineage": {}}

@@ -93,7 +93,11 @@ def _children(client, exp_id: str, parent_id: str) -> list:
 def test_mlflow_holds_parent_and_children_and_registry_alias(first_run, workdir):
     client, exp_id = _client(workdir)
     parent = client.get_run(first_run.parent_run_id)
-    assert parent.info.status == "FINISHED" and parent.info.run_name == "demo"
+    # named by the pipeline and the Prefect flow run, so two runs of one config are told apart
+    assert parent.info.status == "FINISHED"
+    assert parent.info.run_name == f"demo ({parent.data.tags['prefect.flow_run_name']})"
+    # a model-development experiment: the MLflow UI opens on the runs table, not on GenAI traces
+    assert client.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
     assert parent.data.tags["posttrain.pipeline"] == "demo"
     assert parent.data.tags["prefect.flow_run_id"]
     assert "mlflow.parentRunId" not in parent.data.tags  # the pipeline run is top-level
@@ -156,6 +160,36 @@ def test_second_run_is_cached_and_a_change_reruns_only_descendants(first_run, wo
     reran = _children(client, exp_id, changed.parent_run_id)
     assert sorted(r.info.run_name for r in reran) == ["dpo", "evaluate"]
     assert all(r.info.status == "FINISHED" for r in reran)
+    # Prefect: task runs named after their nodes, a node served from the cache in Prefect's own
+    # Cached state; and each flow run's artifact: every node, cached or not, with its MLflow run.
+    flow_run = lambda run: client.get_run(run.parent_run_id).data.tags["prefect.flow_run_id"]  # noqa: E731
+    states = prefect_task_states(flow_run(changed))
+    assert states == {**{n: "Cached" for n in STAGE_NAMES}, "dpo": "Completed", "evaluate": "Completed"}
+    summary = prefect_markdown(flow_run(changed))
+    assert f"`{changed.parent_run_id}`" in summary
+    assert "| student | sft | cached |" in summary and "| dpo | dpo | ran |" in summary
+    assert f"`{changed.stages['dpo'].mlflow_run_id}`" in summary  # the run that made it (sqlite: its id)
+    assert "Registered e2e-model v" in summary
+
+
+def prefect_task_states(flow_run_id: str) -> dict[str, str]:
+    """{task run name: state name} of a flow run, from the Prefect API the flow ran against."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as c:
+        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name: r.state.name for r in runs}
+
+
+def prefect_markdown(flow_run_id: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as c:
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    (art,) = [a for a in arts if a.type == "markdown"]
+    return art.data
 
 
 def test_failing_stage_is_retried_and_reported(first_run, workdir):

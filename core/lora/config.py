@@ -75,6 +75,9 @@ class LoRAConfig(ConfigModel):
         if self.experts and (self.multi or self.use_dora or self.quantize_base or self.init_lora_weights == "pissa"):
             raise ValueError("experts: LoRA on MoE experts takes one plain adapter (no several adapter_names, DoRA, "
                              "QLoRA or PiSSA)")
+        if self.experts and self.dropout:
+            raise ValueError("dropout: LoRA on MoE experts (experts: true) folds each expert's update into its "
+                             "weights, so there is no adapter input to drop; set dropout to 0")
         if not self.multi and self.adapter_sources:
             raise ValueError("adapter_sources routes data to one of several adapter_names; there is one")
         return self

@@ -94,12 +94,16 @@ class StagedModel:
         packed documents as in Transformer.hidden_states; mask (B, T) the real tokens."""
         out = self._walk(ids, lambda mod, x: _run(mod, x, positions, mask, None, 0, head=head, whole=True))
         last = self.owner(self.n - 1)
-        meta = [(tuple(out.shape), out.dtype) if out is not None else None]
+        single = isinstance(out, Tensor)
+        parts = (out,) if single else out  # a head may give a tuple of tensors
+        meta = [(single, [(tuple(t.shape), t.dtype) for t in parts]) if out is not None else None]
         dist.broadcast_object_list(meta, last, group=self.group)
+        single, shapes = meta[0]
         if out is None:
-            out = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
-        dist.broadcast(out, last, group=self.group)
-        return out
+            parts = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
+        for t in parts:
+            dist.broadcast(t, last, group=self.group)
+        return parts[0] if single else tuple(parts)
 
     def share(self, token: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
         """Every rank of the pipeline takes the last stage's tokens and their log-probs."""

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 PARENT_ENV = ("POSTTRAIN_PARENT_RUN_ID", "MLFLOW_PARENT_RUN_ID")
 PARENT_TAG = "mlflow.parentRunId"
+# The MLflow 3 UI's experiment type: what page an experiment opens on (runs table, not GenAI traces).
+EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_development"
 METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100
 # Errors MLflow will answer the same way however often we retry: drop the data, do not buffer it.
 PERMANENT = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE",
@@ -315,12 +317,16 @@ class Tracker(NullTracker):
             exp = client.get_experiment_by_name(self.experiment)
             if exp is None:
                 try:
+                    # Model development, not GenAI: the MLflow UI opens on the runs table, not on Traces
                     self.experiment_id = client.create_experiment(
-                        self.experiment, artifact_location=self.artifact_location)
+                        self.experiment, artifact_location=self.artifact_location,
+                        tags={EXPERIMENT_KIND_TAG: MODEL_DEVELOPMENT})
                 except MlflowException:  # another process created it meanwhile
                     self.experiment_id = client.get_experiment_by_name(self.experiment).experiment_id
             else:
                 self.experiment_id = exp.experiment_id
+                if EXPERIMENT_KIND_TAG not in exp.tags:  # made before posttrain tagged its experiments
+                    client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT)
             with self._lock:
                 tags, self._tags = self._tags, {}
             if self.parent_run_id:
