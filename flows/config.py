@@ -127,7 +127,11 @@ class PipelineConfig(ConfigModel):
     def _check(self) -> PipelineConfig:
         from flows.dag import PipelineDAG
 
-        PipelineDAG(self)  # expansion, references, types, cycles, layouts, files: ValueError naming the node
+        dag = PipelineDAG(self)  # expansion, references, types, cycles, layouts, files: ValueError naming the node
+        base = self.registry.baseline
+        if base not in (None, "auto") and base not in dag.nodes and base not in dag.members:
+            raise ValueError(f"registry.baseline: {base!r} is not a node ({', '.join(dag.nodes)}); name the "
+                             "evaluated model the candidate must beat, or 'auto', or null")
         return self
 
     @property

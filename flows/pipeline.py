@@ -283,9 +283,9 @@ def post_training(config: PipelineConfig) -> PipelineResult:
             registered = register_and_promote(cfg.registry, cfg.tracking.tracking_uri, parent_id,
                                               registry_source(dag, results))
             parent.log_dict(registered, "registry_decision.json")
-            logger.info("registry: %s version %s (%s) %s", registered["model_name"], registered["version"],
+            logger.info("registry: %s version %s (%s) %s: %s", registered["model_name"], registered["version"],
                         registered["model"], "promoted to champion" if registered["promoted"] else
-                        "registered as candidate, not promoted")
+                        "registered as candidate, not promoted", registered["reason"])
         from flows.report import log_reports, publish_run_artifact
 
         log_reports(cfg, results, parent)
@@ -322,8 +322,43 @@ def registry_source(dag: PipelineDAG, results: dict[str, StageResult]) -> dict[s
     else:  # the first model it evaluated (`order`: manifests store mappings sorted by key)
         model_name = m["order"][0]
         model_path = m["models"][model_name]
+    base = baseline_of(dag, results, m, model_name)
+    metric = dag.cfg.registry.promote_metric
+    baseline = {"name": base, "value": per_model.get(base, {}).get(metric)} if base else None
     return {"evaluate": name, "model_dir": model_path, "model_name": model_name,
-            "metrics": per_model.get(model_name, {}), "lineage": {n: r.digest for n, r in results.items()}}
+            "metrics": per_model.get(model_name, {}), "lineage": {n: r.digest for n, r in results.items()},
+            "baseline": baseline}
+
+
+def baseline_of(dag: PipelineDAG, results: dict[str, StageResult], evaluated: dict[str, Any],
+                candidate: str) -> str | None:
+    """The evaluated model the candidate must beat (registry.baseline): a name as given; for
+    'auto' the furthest ancestor of the candidate's node, along `model:`, among the models the
+    evaluate node evaluated (the model it was trained from); None if there is none."""
+    wanted = dag.cfg.registry.baseline
+    names = [n for n in evaluated.get("order", []) if n != candidate]
+    if wanted is None:
+        return None
+    if wanted != "auto":
+        if wanted not in names:
+            raise ValueError(f"registry.baseline: {wanted!r} is not a model evaluate node evaluated "
+                             f"({', '.join(names)})")
+        return wanted
+
+    def node_of(path: str) -> str | None:
+        p = Path(path).resolve()
+        return next((n for n, r in results.items() if p == Path(r.output_dir).resolve()
+                     or Path(r.output_dir).resolve() in p.parents), None)
+
+    by_node = {node_of(evaluated["models"][n]): n for n in names}
+    node, base = node_of(evaluated["models"][candidate]), None
+    seen = set()
+    while node is not None and node not in seen:
+        seen.add(node)
+        node = next((e.src for e in dag.nodes[node].edges if e.role == "model"), None)
+        if node in by_node:
+            base = by_node[node]
+    return base
 
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineResult:

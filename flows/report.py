@@ -145,7 +145,8 @@ def run_summary_markdown(cfg, order: list[str], results: dict[str, Any], parent,
             version = f"[{version}]({uri.rstrip('/')}/#/models/{registered['model_name']}/versions/" \
                       f"{registered['version']})"
         lines += ["", f"Registered {version} from `{registered['model']}` "
-                      f"({registered['metric']}): {'promoted to champion' if registered['promoted'] else 'candidate'}"]
+                      f"({registered['metric']}): {'promoted to champion' if registered['promoted'] else 'candidate'} "
+                      f"({registered.get('reason', '')})"]
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,12 @@ class RegistryConfig(ConfigModel):
     promote_metric: str = Field("exact_match", description="Evaluation metric gating candidate -> champion.")
     greater_is_better: bool = Field(True, description="Direction of promote_metric.")
     min_delta: float = Field(0.0, ge=0, description="Margin the candidate must beat the champion by.")
+    baseline: str | None = Field(
+        "auto", description="An evaluated model the candidate must beat to become champion at all: 'auto' = the "
+                            "model it was trained from (its furthest ancestor along `model:` that the evaluate node "
+                            "also evaluated), a name = that evaluated model, None = no such gate.")
+    min_score: float | None = Field(None, description="The promote_metric the candidate must reach to become "
+                                                      "champion (a floor; None = none).")
     evaluate: str | None = Field(
         None, description="Evaluate node whose selected (else first) model is registered; None = the last one.")
 
@@ -32,11 +38,23 @@ def _client(tracking_uri: str):
     return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
 
-def should_promote(candidate: float, champion: float | None, greater_is_better: bool, min_delta: float) -> bool:
-    """Promote when there is no champion, or the candidate beats it by more than min_delta."""
+def should_promote(candidate: float, champion: float | None, greater_is_better: bool, min_delta: float,
+                   baseline: float | None = None, min_score: float | None = None) -> tuple[bool, str]:
+    """(promote?, why). The candidate must pass the floors first: beat `baseline` (the model it was
+    trained from, evaluated in the same run) and reach `min_score`; then there must be no champion,
+    or the candidate must beat it by more than min_delta."""
+    better = (lambda a, b: a > b) if greater_is_better else (lambda a, b: a < b)
+    if math.isnan(candidate):
+        return False, "the candidate's score is NaN"
+    if baseline is not None and not math.isnan(baseline) and not better(candidate, baseline):
+        return False, f"does not beat its baseline ({candidate:.4g} vs {baseline:.4g})"
+    if min_score is not None and better(min_score, candidate):
+        return False, f"below min_score ({candidate:.4g} vs {min_score:.4g})"
     if champion is None or math.isnan(champion):
-        return not math.isnan(candidate)
-    return candidate > champion + min_delta if greater_is_better else candidate < champion - min_delta
+        return True, "no champion yet, and the floors are passed"
+    if better(candidate, champion + (min_delta if greater_is_better else -min_delta)):
+        return True, f"beats the champion ({candidate:.4g} vs {champion:.4g})"
+    return False, f"does not beat the champion by min_delta ({candidate:.4g} vs {champion:.4g})"
 
 
 def register_model(client, name: str, run_id: str, model_dir: Path, metric: str, value: float,
@@ -83,16 +101,20 @@ def register_and_promote(reg: RegistryConfig, tracking_uri: str,
         champion_value = float(champ.tags.get(f"eval.{reg.promote_metric}", "nan"))
     except Exception:  # no champion yet
         pass
-    promote = should_promote(value, champion_value, reg.greater_is_better, reg.min_delta)
+    baseline = source.get("baseline") or {}
+    promote, reason = should_promote(value, champion_value, reg.greater_is_better, reg.min_delta,
+                                     baseline.get("value"), reg.min_score)
     if promote:
         client.set_registered_model_alias(reg.model_name, "champion", version.version)
     decision = {
         "model_name": reg.model_name, "version": version.version, "model": source["model_name"], "metric": reg.promote_metric,
         "candidate_value": value, "champion_version": champion_version, "champion_value": champion_value,
         "promoted": promote, "aliases": ["candidate", "champion"] if promote else ["candidate"],
+        "baseline": baseline.get("name"), "baseline_value": baseline.get("value"), "min_score": reg.min_score,
+        "reason": reason,
     }
     client.set_model_version_tag(reg.model_name, version.version, "promotion",
-                                 "champion" if promote else f"kept champion v{champion_version}")
+                                 f"champion: {reason}" if promote else f"candidate: {reason}")
     log.info("registry decision: %s", decision)
     return decision
 

@@ -139,8 +139,20 @@ def test_mlflow_holds_parent_and_children_and_registry_alias(first_run, workdir)
     assert first_run.registered["model"] == "dpo"  # the evaluate node's first model (it selects none)
     version = client.get_model_version_by_alias("e2e-model", "candidate")
     assert version.run_id == first_run.parent_run_id
-    assert first_run.registered["promoted"]  # the first model becomes champion
-    assert client.get_model_version_by_alias("e2e-model", "champion").version == version.version
+    # Champion only past the floor: beating the model it was trained from (registry.baseline
+    # 'auto': dpo <- distill <- student, the furthest one the evaluate node evaluated).
+    reg = first_run.registered
+    scores = eval_results_of(first_run)
+    assert reg["baseline"] == "student" and reg["baseline_value"] == scores["student"]["exact_match"]
+    assert reg["promoted"] == (scores["dpo"]["exact_match"] > scores["student"]["exact_match"]), reg
+    if reg["promoted"]:  # no champion before: the floor is the only gate
+        assert client.get_model_version_by_alias("e2e-model", "champion").version == version.version
+
+
+def eval_results_of(run):
+    from flows.report import eval_results
+
+    return eval_results(run.stages["evaluate"])
 
 
 def test_second_run_is_cached_and_a_change_reruns_only_descendants(first_run, workdir):
