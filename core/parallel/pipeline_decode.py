@@ -21,11 +21,11 @@ same tp coordinate in the next stage; the last stage gathers its vocab-split log
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from typing import TYPE_CHECKING
 
 from core.model.model import KVCache, Transformer, attention_masks
 from core.model.rope import rope_cos_sin
@@ -38,18 +38,15 @@ class StagedModel:
     """The forward generate() calls on a rank of a pipeline: its part of every step."""
 
     def __init__(self, model: Transformer, pipe: Pipeline):
-        self.model, self.pipe = model, pipe
+        self.model = model
         self.group = pipe.stages[0].group
         self.pp = dist.get_world_size(self.group)
-        self.me = dist.get_rank(self.group)
         self.n = pipe.stages[0].num_stages
         self.mine = {st.stage_index: mod for st, mod in zip(pipe.stages, pipe.modules)}
-        first = pipe.modules[0]
-        weight = next(first.layers.values().__iter__()).attn.q_proj.weight if first.layers else \
-            next(first.parameters())
-        self.device = next(first.parameters()).device
-        self.dtype = first.embed.weight.dtype if first.embed is not None else weight.dtype
         self.layers = sorted(int(i) for mod in pipe.modules for i in mod.layers)
+        # the activations' dtype and device: the first stage's parameters (it may hold no embedding)
+        first = next(pipe.modules[0].parameters())
+        self.device, self.dtype = first.device, first.dtype
 
     def owner(self, stage: int) -> int:
         """Global rank holding `stage` (looped placement: stage s on pp rank s % pp)."""
