@@ -2,7 +2,8 @@
 the node; independent nodes run concurrently as far as the devices allow (flows.resources), each
 node's output directory locked while it runs (flows.workspace), nodes cached by the content
 hashes of their inputs and the settings that change their result, retried with backoff, and
-tracked as one MLflow parent run with a child run per node.
+tracked as one MLflow parent run with a child run per node (flows.runs: opened when the node
+launches; a cached node's points at the run it reused).
 
 The flow never imports torch: each node runs as its own torchrun job (stages/launch/), which is
 also what makes cancellation clean (the launcher kills the job's process group).
@@ -26,6 +27,7 @@ from core.config import dump_config
 from core.manifest import CHECKPOINTS, MANIFEST, clear_partial, digest, is_stage_dir, read_manifest
 from flows.config import PipelineConfig
 from flows.dag import PipelineDAG, Upstream
+from flows.runs import RUN_ID_ENV, end_if_running, open_node_run, record_cached
 from stages.config import StageConfig
 
 KEY_FILE = ".posttrain-cache-key"
@@ -71,6 +73,7 @@ class StageResult:
     mlflow_run_id: str | None = None
     selected: str | None = None  # an evaluate node's chosen model
     seconds: float | None = None  # wall time of the launch (None: served from the cache)
+    cached_run_id: str | None = None  # a cached node's child run in this pipeline run (flows.runs.record_cached)
 
     @classmethod
     def of(cls, name: str, kind: str, out: Path, cached: bool, seconds: float | None = None) -> StageResult:
@@ -171,6 +174,7 @@ def run_node(dag: PipelineDAG, name: str, upstream: dict[str, StageResult], pare
     with node_lock(dag.cfg.run_dir, name, dag.cfg.lock_wait_s, owner=pool_id):
         if _prepare_dir(out, key):
             r = StageResult.of(name, kind, out, True)
+            r.cached_run_id = record_cached(spec, name, kind, parent_run_id, key, r.mlflow_run_id, r.metrics)
             logger.info("%s: inputs and settings unchanged (key %s), using %s from MLflow run %s (cached)", name,
                         key[:16], out, r.mlflow_run_id)
             # Prefect's own Cached state: the UI shows the node as served from the cache, not as a 1 s run
@@ -188,9 +192,18 @@ def run_node(dag: PipelineDAG, name: str, upstream: dict[str, StageResult], pare
             if need and need[0] == "gpu":
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
             logger.info("%s: %s", name, f"on {need[0]} {ids}" if need else "placed by its scheduler")
-            result = launch_stage(kind, spec, spec.launcher, workdir=out.parent / ".launch" / name, env=env,
-                                  on_output=lambda line: logger.info("%s | %s", name, line.rstrip()))
+            run_id = open_node_run(spec, name, kind, parent_run_id, key)  # MLflow's start = the stage's
+            if run_id:
+                env[RUN_ID_ENV] = run_id
+            try:
+                result = launch_stage(kind, spec, spec.launcher, workdir=out.parent / ".launch" / name, env=env,
+                                      on_output=lambda line: logger.info("%s | %s", name, line.rstrip()))
+            except BaseException as e:  # cancelled, or the launcher itself failed
+                end_if_running(spec, run_id, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED",
+                               f"{type(e).__name__}: {e}")
+                raise
         if not result.ok:
+            end_if_running(spec, run_id, "FAILED", f"exit code {result.returncode}")
             tail = "".join(Path(result.log_file).read_text().splitlines(keepends=True)[-30:])
             raise RuntimeError(f"node {name} failed with exit code {result.returncode}; log {result.log_file}:\n{tail}")
         r = StageResult.of(name, kind, out, False, result.wall_time_s)
@@ -245,7 +258,7 @@ def post_training(config: PipelineConfig) -> PipelineResult:
     recover(cfg.tracking, cfg.name)  # what killed runs of this pipeline left: stale runs, orphaned servers
     parent = create_tracker(cfg.tracking, run_name=f"{cfg.name} ({ctx.flow_run.name})", tags={
         "posttrain.pipeline": cfg.name, "prefect.flow_run_id": flow_run_id,
-        "prefect.flow_run_name": str(ctx.flow_run.name)}, rank=0)
+        "prefect.flow_run_name": str(ctx.flow_run.name)}, rank=0, system_metrics=False)  # the stages sample
     parent.log_params(dump_config(cfg))
     parent.log_dict(dag.describe(), "dag.json")
     parent.flush(timeout=60)  # creates the run: children need its id
@@ -274,6 +287,8 @@ def post_training(config: PipelineConfig) -> PipelineResult:
                 continue
             parent.log_metrics({f"{name}/{k}": v for k, v in results[name].metrics.items()
                                 if isinstance(v, (int, float))}, step=0)
+            if results[name].cached and results[name].mlflow_run_id:  # the run this pipeline run reused
+                parent.set_tags({f"posttrain.reused.{name}": results[name].mlflow_run_id})
         if errors:
             raise RuntimeError("nodes failed:\n" + "\n".join(errors))
         registered = None
@@ -327,7 +342,23 @@ def registry_source(dag: PipelineDAG, results: dict[str, StageResult]) -> dict[s
     baseline = {"name": base, "value": per_model.get(base, {}).get(metric)} if base else None
     return {"evaluate": name, "model_dir": model_path, "model_name": model_name,
             "metrics": per_model.get(model_name, {}), "lineage": {n: r.digest for n, r in results.items()},
-            "baseline": baseline}
+            "runs": {n: r.mlflow_run_id for n, r in results.items() if r.mlflow_run_id},
+            "datasets": datasets_of(dag, results), "baseline": baseline}
+
+
+def datasets_of(dag: PipelineDAG, results: dict[str, StageResult]) -> list[dict[str, str]]:
+    """Every file a data_prep node wrote, by content: {name: '<node>/<split>', path, digest (sha256)}."""
+    rows = []
+    for n in dag.order:
+        if dag.kind(n) != "data_prep" or n not in results:
+            continue
+        m = read_manifest(results[n].output_dir)
+        files = m.get("files", {})
+        for split, rel in sorted(m.get("outputs", {}).items()):
+            if rel in files:
+                rows.append({"name": f"{n}/{split}", "path": str(Path(results[n].output_dir) / rel),
+                             "digest": files[rel]})
+    return rows
 
 
 def baseline_of(dag: PipelineDAG, results: dict[str, StageResult], evaluated: dict[str, Any],

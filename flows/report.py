@@ -137,8 +137,11 @@ def run_summary_markdown(cfg, order: list[str], results: dict[str, Any], parent,
         row = table.get(name, {})
         status = "cached" if r.cached else "ran"
         took = "cached" if r.cached or r.seconds is None else f"{r.seconds:.1f} s"
+        run = mlflow_link(uri, exp, r.mlflow_run_id)
+        if r.cached and getattr(r, "cached_run_id", None):  # this run's cached child, and the run it reused
+            run = f"{mlflow_link(uri, exp, r.cached_run_id, 'cached')}, from {mlflow_link(uri, exp, r.mlflow_run_id)}"
         lines.append(f"| {name} | {r.kind} | {status} | {row.get('metric', '')} | {fmt(row.get('before'))} | "
-                     f"{fmt(row.get('after'))} | {took} | {mlflow_link(uri, exp, r.mlflow_run_id)} |")
+                     f"{fmt(row.get('after'))} | {took} | {run} |")
     if registered:
         version = f"{registered['model_name']} v{registered['version']}"
         if uri.startswith(("http://", "https://")):

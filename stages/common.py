@@ -240,7 +240,8 @@ def dump_json(path: str | Path, obj: Any) -> None:
 @contextlib.contextmanager
 def stage_run(cfg: StageConfig, stage: str, is_main: bool = True) -> Iterator[Any]:
     """The stage's MLflow child run on rank 0 (nested under the pipeline's parent run when
-    MLFLOW_PARENT_RUN_ID / POSTTRAIN_PARENT_RUN_ID is set); a no-op elsewhere or when off.
+    MLFLOW_PARENT_RUN_ID / POSTTRAIN_PARENT_RUN_ID is set; the run POSTTRAIN_RUN_ID names, opened
+    by the flow, when set); a no-op elsewhere or when off.
     A failure ends the run as FAILED with the exception as a tag, then propagates."""
     tracking = cfg.tracking
     if not is_main or tracking is None or not tracking.enabled:
@@ -249,7 +250,10 @@ def stage_run(cfg: StageConfig, stage: str, is_main: bool = True) -> Iterator[An
     from core.config import dump_config
 
     name = os.environ.get("POSTTRAIN_RUN_NAME") or stage
-    tracker = Tracker(tracking, run_name=name, tags={"posttrain.stage": stage, **tracking.tags})
+    # POSTTRAIN_RUN_ID: the child run the pipeline flow opened when it launched this stage (so the
+    # run's duration is the stage's), resumed here; without it (a stage run on its own) a new run
+    tracker = Tracker(tracking, run_name=name, tags={"posttrain.stage": stage, **tracking.tags},
+                      run_id=os.environ.get("POSTTRAIN_RUN_ID") or None)
     tracker.log_params(dump_config(cfg))
     tracker.flush(timeout=60)  # creates the run, so its id can go into the stage manifest
     try:

@@ -220,7 +220,16 @@ def test_one_mlflow_run_per_model_under_the_stage_run(side_by_side):
         table = json.loads(Path(client.download_artifacts(r.info.run_id, "samples_table.json")).read_text())
         assert len(table["data"]) == 6 and "completion" in table["columns"]
     artifacts = {a.path for a in client.list_artifacts(stage.info.run_id)}
-    assert {"results.json", "samples.json", "samples_table.json"} <= artifacts
+    assert {"results.json", "samples.json", "samples_table.json", "comparison_table.json"} <= artifacts
+    # the comparison table: one row per model, in evaluation order, each metric a column
+    table = json.loads(Path(client.download_artifacts(stage.info.run_id, "comparison_table.json")).read_text())
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert [r["model"] for r in rows] == manifest["order"]
+    for r in rows:
+        assert r["path"] == manifest["models"][r["model"]]
+        assert r["exact_match"] == pytest.approx(manifest["results"][r["model"]]["exact_match"], rel=1e-9)  # 10 digits in JSON
+    # the per-model bookkeeping runs sample no system metrics (the stage run around them does)
+    assert not any(k.startswith("system/") for r in nested.values() for k in r.data.metrics)
 
 
 # ------------------------------------------------------------------------------------ sampling, pass@k, judge

@@ -32,6 +32,9 @@ def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("pipeline")
     old = os.getcwd()
     os.chdir(d)
+    # stage runs sample system metrics (on by default) every second here, so short stages have some
+    sampling = os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL")
+    os.environ["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = "1"
     from prefect.settings import (PREFECT_SERVER_ANALYTICS_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
                                   temporary_settings)
 
@@ -43,6 +46,10 @@ def workdir(tmp_path_factory):
     with temporary_settings(settings):
         yield d
     os.chdir(old)
+    if sampling is None:
+        os.environ.pop("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL")
+    else:
+        os.environ["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = sampling
 
 
 def config(workdir: Path, *extra: str):
@@ -124,6 +131,14 @@ def test_mlflow_holds_parent_and_children_and_registry_alias(first_run, workdir)
         assert r.info.experiment_id == parent.info.experiment_id, name
         assert parent.info.start_time <= r.info.start_time <= r.info.end_time <= parent.info.end_time, name
         assert "posttrain.error" not in r.data.tags, name
+        # the flow opens the run as it launches the stage: MLflow's duration is the launch's, not
+        # only the part after the stage's process reached MLflow (model loading included)
+        took = (r.info.end_time - r.info.start_time) / 1000
+        # (the rest: torchrun and the processes exiting after the run ended; before, runs started
+        # after the stage's imports and model load, 15% of the launch for sft)
+        assert 0.6 * first_run.stages[name].seconds <= took <= first_run.stages[name].seconds + 1, (name, took)
+        # system metrics of every stage run, on by default
+        assert any(k.startswith("system/cpu_utilization") for k in r.data.metrics), (name, sorted(r.data.metrics))
         # the manifest points at the child run that produced it
         recorded = first_run.stages[name].mlflow_run_id
         assert recorded in (None, r.info.run_id), name
@@ -168,10 +183,27 @@ def test_second_run_is_cached_and_a_change_reruns_only_descendants(first_run, wo
     assert len(parents) == 3
     for run in (again, changed):
         assert client.get_run(run.parent_run_id).info.status == "FINISHED"
-    assert _children(client, exp_id, again.parent_run_id) == []
-    reran = _children(client, exp_id, changed.parent_run_id)
+    # A cached node still gets a child run in the new pipeline run, marked cached and pointing at
+    # the run that produced its result, so every pipeline run can be followed to what it reused.
+    made = {n: r.mlflow_run_id for n, r in first_run.stages.items()}
+    cached = {r.data.tags["posttrain.node"]: r for r in _children(client, exp_id, again.parent_run_id)}
+    assert sorted(cached) == sorted(STAGE_NAMES)
+    again_tags = client.get_run(again.parent_run_id).data.tags
+    for name, r in cached.items():
+        assert r.info.run_name == f"{name} (cached)" and r.info.status == "FINISHED", name
+        assert r.data.tags["posttrain.cached"] == "true", name
+        if made[name]:
+            assert r.data.tags["posttrain.cached_from"] == made[name], name
+            assert r.data.tags["posttrain.cached_artifacts"] == client.get_run(made[name]).info.artifact_uri
+            assert again_tags[f"posttrain.reused.{name}"] == made[name]
+            assert again.stages[name].cached_run_id == r.info.run_id
+    assert cached["student"].data.metrics["val/loss"] == pytest.approx(first_run.stages["student"].metrics["val/loss"])
+    children = _children(client, exp_id, changed.parent_run_id)
+    reran = [r for r in children if "posttrain.cached" not in r.data.tags]
     assert sorted(r.info.run_name for r in reran) == ["dpo", "evaluate"]
-    assert all(r.info.status == "FINISHED" for r in reran)
+    assert sorted(r.data.tags["posttrain.node"] for r in children if "posttrain.cached" in r.data.tags) == \
+        sorted(set(STAGE_NAMES) - {"dpo", "evaluate"})
+    assert all(r.info.status == "FINISHED" for r in children)
     # Prefect: task runs named after their nodes, a node served from the cache in Prefect's own
     # Cached state; and each flow run's artifact: every node, cached or not, with its MLflow run.
     flow_run = lambda run: client.get_run(run.parent_run_id).data.tags["prefect.flow_run_id"]  # noqa: E731
@@ -181,6 +213,8 @@ def test_second_run_is_cached_and_a_change_reruns_only_descendants(first_run, wo
     assert f"`{changed.parent_run_id}`" in summary
     assert "| student | sft | cached |" in summary and "| dpo | dpo | ran |" in summary
     assert f"`{changed.stages['dpo'].mlflow_run_id}`" in summary  # the run that made it (sqlite: its id)
+    student = changed.stages["student"]
+    assert f"`{student.cached_run_id}`, from `{student.mlflow_run_id}`" in summary  # cached: this run's, the original
     assert "Registered e2e-model v" in summary
 
 

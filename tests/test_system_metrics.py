@@ -52,3 +52,19 @@ def test_system_metrics_logged_to_sqlite(tmp_path):
 def test_no_system_metrics_when_off(tmp_path):
     metrics = _run(tmp_path, system_metrics=False)
     assert metrics == {"loss": 1.0}
+
+
+def test_on_by_default_and_a_run_shorter_than_one_interval_still_gets_a_sample(tmp_path, monkeypatch):
+    """Stage runs sample by default; MLflow's monitor publishes only after its first interval, so a
+    short stage would have none: the Tracker takes one closing sample."""
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "30")
+    cfg = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="short",
+                         artifact_location=str(tmp_path / "short"))
+    assert cfg.system_metrics
+    with Tracker(cfg, "sft") as tr:
+        tr.log_metrics({"loss": 1.0}, step=0)
+    metrics = MlflowClient(cfg.tracking_uri).get_run(tr.run_id).data.metrics
+    assert metrics["system/system_memory_usage_megabytes"] > 0, sorted(metrics)
+    with Tracker(cfg, "pipeline", system_metrics=False) as tr:  # the override (the pipeline's parent run)
+        tr.log_metrics({"loss": 1.0}, step=0)
+    assert MlflowClient(cfg.tracking_uri).get_run(tr.run_id).data.metrics == {"loss": 1.0}

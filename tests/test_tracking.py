@@ -132,6 +132,37 @@ def test_resume_by_run_id(backend):
     assert len(client.search_runs([again.experiment_id])) == 1
 
 
+def test_a_run_opened_by_the_flow_is_resumed_by_the_stage(backend, monkeypatch):
+    """open_run (the flow, at launch) then stage_run in the stage's process (POSTTRAIN_RUN_ID): one
+    run, started when it was opened, nested under the parent, re-tagged with the stage's process."""
+    from core.tracking import open_run
+    from core.tracking.recovery import PID_TAG
+    from stages.common import stage_run
+    from stages.config import SFTConfig
+
+    cfg = config(backend)
+    parent = open_run(cfg, "pipeline")
+    run_id = open_run(cfg, "student", parent, {"posttrain.stage": "sft"})
+    client = MlflowClient(cfg.tracking_uri)
+    opened = client.get_run(run_id)
+    assert opened.info.status == "RUNNING" and opened.data.tags["mlflow.parentRunId"] == parent
+    assert client.get_experiment(opened.info.experiment_id).tags["mlflow.experimentKind"] == \
+        "custom_model_development"
+    time.sleep(0.05)
+    monkeypatch.setenv("POSTTRAIN_RUN_ID", run_id)
+    monkeypatch.setenv("POSTTRAIN_RUN_NAME", "student")
+    stage_cfg = SFTConfig(output_dir="unused", tracking=cfg)
+    with stage_run(stage_cfg, "sft") as run:
+        assert run.run_id == run_id
+        run.log_metrics({"train/sft_loss": 1.5}, step=0)
+    done = client.get_run(run_id)
+    assert done.info.status == "FINISHED" and done.info.start_time == opened.info.start_time
+    assert done.data.metrics["train/sft_loss"] == 1.5 and done.data.params["tracking.experiment"] == cfg.experiment
+    assert done.data.tags[PID_TAG] == str(os.getpid())
+    assert [r.info.run_id for r in client.search_runs([opened.info.experiment_id])
+            if r.data.tags.get("mlflow.parentRunId") == parent] == [run_id]
+
+
 def test_artifacts(backend, tmp_path):
     cfg = config(backend)
     (tmp_path / "report.md").write_text("# eval\n")

@@ -18,13 +18,14 @@ which is how MLflow nests runs (what `mlflow.start_run(nested=True)` does in one
 
     config.py   TrackingConfig
     params.py   configs as MLflow params (flattened, truncated, secrets masked)
-    tracker.py  Tracker (rank 0, buffered, never blocks training), NullTracker, create_tracker
+    tracker.py  Tracker (rank 0, buffered, never blocks training), NullTracker, create_tracker,
+                open_run (a run opened now, resumed by id by a later process)
 """
 
 from core.tracking.config import TrackingConfig
 from core.tracking.params import (MASK, check_artifact_path, clean_key, flatten_params, is_secret_key,
                                   mask_secrets)
-from core.tracking.tracker import NullTracker, Tracker, create_tracker
+from core.tracking.tracker import NullTracker, Tracker, create_tracker, open_run
 
 __all__ = ["MASK", "NullTracker", "Tracker", "TrackingConfig", "check_artifact_path", "clean_key",
-           "create_tracker", "flatten_params", "is_secret_key", "mask_secrets"]
+           "create_tracker", "flatten_params", "open_run", "is_secret_key", "mask_secrets"]

@@ -24,7 +24,9 @@ class TrackingConfig(ConfigModel):
     experiment: str = Field("posttrain", description="MLflow experiment (pipeline = parent run).")
     artifact_location: str | None = Field(None, description="Artifact root of a new experiment.")
     log_every: int = Field(10, ge=1, description="Log metrics every N steps.")
-    system_metrics: bool = Field(False, description="Sample CPU/GPU/memory utilization.")
+    system_metrics: bool = Field(True, description="Sample CPU, memory, disk, network and (NVIDIA) GPU use of each "
+                                                   "stage run into MLflow as system/... metrics (every 10 s; "
+                                                   "$MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL).")
     tags: dict[str, str] = Field({}, description="Extra tags on every run.")
 
     @field_validator("tracking_uri")

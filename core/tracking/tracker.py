@@ -89,11 +89,14 @@ class Tracker(NullTracker):
     def __init__(self, tracking: Any, run_name: str, parent_run_id: str | None = None,
                  tags: Mapping[str, str] | None = None, run_id: str | None = None, *,
                  flush_every: int = 500, flush_interval_s: float = 10.0, max_buffer: int = 100_000,
-                 max_backoff_s: float = 60.0, connect_timeout_s: float = 60.0, close_timeout_s: float = 30.0):
+                 max_backoff_s: float = 60.0, connect_timeout_s: float = 60.0, close_timeout_s: float = 30.0,
+                 system_metrics: bool | None = None):
         self.tracking_uri: str = tracking.tracking_uri
         self.experiment: str = tracking.experiment
         self.artifact_location = getattr(tracking, "artifact_location", None)
-        self.system_metrics = bool(getattr(tracking, "system_metrics", False))
+        # system_metrics: overrides the config's (runs that are not a stage's, e.g. the pipeline's parent, pass False)
+        self.system_metrics = bool(getattr(tracking, "system_metrics", False) if system_metrics is None
+                                   else system_metrics)
         self.run_name = run_name
         self.parent_run_id = parent_run_id or next((os.environ[e] for e in PARENT_ENV if os.environ.get(e)), None)
         self.run_id = run_id
@@ -281,7 +284,7 @@ class Tracker(NullTracker):
             self._send_artifacts(client)
             if self._end_status is not None:
                 if self._monitor is not None:
-                    self._monitor.finish()
+                    _finish_monitor(self._monitor)
                     self._monitor = None
                 client.set_terminated(self.run_id, self._end_status)
         except Exception as e:
@@ -308,25 +311,12 @@ class Tracker(NullTracker):
 
     def _ensure_run(self):
         from mlflow import MlflowClient
-        from mlflow.exceptions import MlflowException
 
         if self._client is None:
             self._client = MlflowClient(self.tracking_uri)
         client = self._client
         if self.run_id is None:
-            exp = client.get_experiment_by_name(self.experiment)
-            if exp is None:
-                try:
-                    # Model development, not GenAI: the MLflow UI opens on the runs table, not on Traces
-                    self.experiment_id = client.create_experiment(
-                        self.experiment, artifact_location=self.artifact_location,
-                        tags={EXPERIMENT_KIND_TAG: MODEL_DEVELOPMENT})
-                except MlflowException:  # another process created it meanwhile
-                    self.experiment_id = client.get_experiment_by_name(self.experiment).experiment_id
-            else:
-                self.experiment_id = exp.experiment_id
-                if EXPERIMENT_KIND_TAG not in exp.tags:  # made before posttrain tagged its experiments
-                    client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT)
+            self.experiment_id = experiment_id(client, self.experiment, self.artifact_location)
             with self._lock:
                 tags, self._tags = self._tags, {}
             if self.parent_run_id:
@@ -348,10 +338,10 @@ class Tracker(NullTracker):
             if self.parent_run_id and PARENT_TAG not in run.data.tags:
                 client.set_tag(self.run_id, PARENT_TAG, self.parent_run_id)
             self._running = True
-            self._start_system_metrics()
+            self._start_system_metrics(resume=True)
         return client
 
-    def _start_system_metrics(self) -> None:
+    def _start_system_metrics(self, resume: bool = False) -> None:
         if not self.system_metrics:
             return
         try:
@@ -360,7 +350,8 @@ class Tracker(NullTracker):
         except ImportError:
             logger.warning("system_metrics needs psutil; not sampling CPU/GPU/memory")
             return
-        self._monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.tracking_uri)
+        # resume: a resumed run's system/ steps continue after its last one (a restarted stage)
+        self._monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.tracking_uri, resume_logging=resume)
         self._monitor.start()
 
     def _send_params_and_tags(self, client) -> None:
@@ -422,6 +413,54 @@ class Tracker(NullTracker):
             logger.warning("MLflow rejected %s for run %s: %s; dropped", what, self.run_id, _short(e))
             return False
         return True
+
+
+def experiment_id(client, name: str, artifact_location: str | None = None) -> str:
+    """The id of experiment `name`, created if missing, tagged as model development (not GenAI:
+    the MLflow UI then opens on the runs table, not on Traces)."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return client.create_experiment(name, artifact_location=artifact_location,
+                                            tags={EXPERIMENT_KIND_TAG: MODEL_DEVELOPMENT})
+        except MlflowException:  # another process created it meanwhile
+            return client.get_experiment_by_name(name).experiment_id
+    if EXPERIMENT_KIND_TAG not in exp.tags:  # made before posttrain tagged its experiments
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT)
+    return exp.experiment_id
+
+
+def open_run(tracking: Any, run_name: str, parent_run_id: str | None = None,
+             tags: Mapping[str, Any] | None = None) -> str:
+    """Create a RUNNING run now and return its id, for a process that starts later to resume
+    (Tracker(run_id=...)): the pipeline flow opens each stage's child run when it launches the
+    stage, so the run's start is the stage's, not the moment the stage's process got to MLflow.
+    Tagged with this process (core.tracking.recovery ends it if this process dies first; the
+    resuming process re-tags it with its own)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking.tracking_uri)
+    exp = experiment_id(client, tracking.experiment, getattr(tracking, "artifact_location", None))
+    all_tags = {clean_key(k): MASK if is_secret_key(k) else truncate(mask_secrets(str(v)), MAX_TAG_LEN)
+                for k, v in {**getattr(tracking, "tags", {}), **(tags or {}), **process_tags()}.items()}
+    if parent_run_id:
+        all_tags[PARENT_TAG] = parent_run_id
+    return client.create_run(exp, run_name=run_name, tags=all_tags).info.run_id
+
+
+def _finish_monitor(monitor) -> None:
+    """Stop MLflow's system-metrics monitor; a run shorter than one sampling interval (which the
+    monitor would leave without any) gets one sample, taken now."""
+    monitor.finish()
+    if getattr(monitor, "_logging_step", 1) == 0:
+        try:
+            monitor.collect_metrics()
+            monitor.publish_metrics(monitor.aggregate_metrics())
+            monitor.mlflow_logger.flush()
+        except Exception as e:  # noqa: BLE001 - MLflow internals moved: lose the sample, not the run
+            logger.debug("no closing system-metrics sample: %s", e)
 
 
 def _is_permanent(e: BaseException) -> bool:

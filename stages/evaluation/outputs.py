@@ -11,8 +11,9 @@
                    "metric", "mode", "value"} when `select` is set; mlflow_run_id and
                    mlflow_model_runs {name: run id}
 
-MLflow: the stage run gets the manifest's metrics, results.json and samples.json as artifacts and
-a samples table (MlflowClient.log_table, `samples_table.json`); under it one nested run per model
+MLflow: the stage run gets the manifest's metrics, results.json and samples.json as artifacts, a
+comparison table (MlflowClient.log_table, `comparison_table.json`: one row per model, a column per
+metric) and a samples table (`samples_table.json`); under it one nested run per model
 (tags mlflow.parentRunId, posttrain.eval_model=<name>, posttrain.eval_index=<i>) with that model's
 metrics (the same keys for every model; MLflow turns '@' and '=' into '_') and its own samples
 table, so the models compare side by side in MLflow's run table. A table that cannot be logged is a
@@ -34,6 +35,7 @@ from stages.config import EvalConfig
 log = logging.getLogger("posttrain.evaluate")
 
 TABLE = "samples_table.json"
+COMPARISON = "comparison_table.json"  # one row per evaluated model
 COLUMNS = ("model", "index", "sample", "group", "prompt", "reference", "completion", "score")
 
 
@@ -63,6 +65,32 @@ def log_table(tracker: Any, samples: list[dict[str, Any]], client: Any = None) -
                     type(e).__name__, e)
 
 
+def comparison_rows(names: list[str], models: dict[str, str], results: dict[str, dict]) -> dict[str, list]:
+    """One row per evaluated model (in evaluation order): model, path, then every metric any
+    model has (blank where a model lacks it), as MLflow table columns."""
+    keys = sorted({k for n in names for k in results[n]})
+    cols: dict[str, list] = {"model": list(names), "path": [str(models[n]) for n in names]}
+    for k in keys:
+        cols[k] = [results[n].get(k) for n in names]
+    return cols
+
+
+def log_comparison(tracker: Any, names: list[str], models: dict[str, str], results: dict[str, dict]) -> None:
+    """The models side by side as an MLflow table of the stage run (`comparison_table.json`: the
+    run's Artifacts and the experiment's Evaluation/table views show it one row per model)."""
+    if not tracker.run_id:
+        return
+    try:
+        from mlflow import MlflowClient
+
+        tracker.flush(timeout=60)
+        MlflowClient(tracker.tracking_uri).log_table(tracker.run_id, data=comparison_rows(names, models, results),
+                                                     artifact_file=COMPARISON)
+    except Exception as e:  # noqa: BLE001 - tracking never fails an evaluation that has its results
+        log.warning("evaluate: comparison table not logged to MLflow run %s: %s: %s", tracker.run_id,
+                    type(e).__name__, e)
+
+
 def model_runs(cfg: EvalConfig, stage: Any, names: list[str], results: dict[str, dict],
                samples: list[dict[str, Any]]) -> dict[str, str]:
     """One nested MLflow run per evaluated model under the stage's run: {name: run id}."""
@@ -74,7 +102,8 @@ def model_runs(cfg: EvalConfig, stage: Any, names: list[str], results: dict[str,
     ids: dict[str, str] = {}
     for i, (name, path) in enumerate(zip(names, cfg.models)):
         run = Tracker(cfg.tracking, run_name=f"evaluate/{name}", parent_run_id=stage.run_id,
-                      tags={"posttrain.stage": "evaluate", "posttrain.eval_model": name, "posttrain.eval_index": i})
+                      tags={"posttrain.stage": "evaluate", "posttrain.eval_model": name, "posttrain.eval_index": i},
+                      system_metrics=False)  # a few seconds of bookkeeping, inside the stage run's sampling
         try:
             run.log_params({"model": path, "name": name, "index": i})
             run.log_metrics(results[name], step=0)
@@ -109,6 +138,7 @@ def write_outputs(cfg: EvalConfig, out: Path, stage: Any, names: list[str], resu
         extra["selected"] = selected
         stage.set_tags({"posttrain.selected_model": selected["name"]})
     stage.log_metrics(metrics, step=0)
+    log_comparison(stage, names, models, results)
     stage.log_artifact(str(out / "results.json"))
     if cfg.save_samples:
         stage.log_artifact(str(out / "samples.json"))
