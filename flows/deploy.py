@@ -1,7 +1,8 @@
 """Deployments of the pipeline flow, served by this process (`flow.serve`'s multi-deployment
 form): one run on demand from the UI, one recurring retraining on the config's cron schedule.
 Both take the typed PipelineConfig as their parameter, which the Prefect UI renders as a form
-whose values can be edited per run or on the deployment.
+whose values can be edited per run or on the deployment: the served config's own form (one section
+per node, everyday knobs first; flows/form.py), its DAG summarized in the description.
 
     PREFECT_API_URL=http://127.0.0.1:4200/api posttrain serve configs/demo.yaml
 """

@@ -127,10 +127,10 @@ def _shape(def_name: str, schema: dict, defs: dict) -> dict:
         if "const" in prop:  # a node's kind: a one-choice select, described by its node's section
             prop = {**prop, "enum": [prop["const"]], "readOnly": True}
             prop.pop("description", None)
+        if _always_filled(prop, defs):  # a section made a JSON editor too: it always holds the section
+            required.add(name)
         if name in advanced:
             prop = _advanced(prop)
-        if _always_filled(prop, defs):
-            required.add(name)
         out[name] = prop
     order = [n for n in first if n in out] + [n for n in out if n not in first and n not in advanced] + \
         [n for n in advanced if n in out]

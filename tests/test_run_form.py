@@ -236,6 +236,9 @@ def test_the_server_refuses_an_invalid_value_when_the_run_is_created(deployment)
     from prefect.exceptions import PrefectHTTPStatusError
 
     client, dep = deployment
+    stored = dep.parameter_openapi_schema["definitions"]["PipelineConfig"]["properties"]
+    assert list(stored["nodes"]["properties"]) == ["prep", "teacher", "student", "distill", "dpo", "evaluate"]
+    assert "schedule" not in stored and "schedule" not in dep.parameters["config"]
     params = copy.deepcopy(dep.parameters)
     params["config"]["nodes"]["teacher"]["max_steps"] = -5
     with pytest.raises(PrefectHTTPStatusError, match=r"409.*config\.nodes\.teacher\.max_steps"):
