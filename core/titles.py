@@ -66,15 +66,14 @@ def field_title(name: str, info: Any = None) -> str:
     return " ".join([first, *words[1:]])
 
 
+_CAMEL = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z0-9]+|[A-Z]+")
+
+
 def model_title(cls: type) -> str:
     """A schema's title from its class name: LoRAConfig -> "LoRA", DPONode -> "DPO node"."""
     name = cls.__name__.removesuffix("Config") or cls.__name__
-    # split CamelCase keeping runs of capitals (DPONode -> DPO, Node; LoRAConfig -> Lo, RA -> see below)
-    words = re.findall(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z0-9]+|[A-Z]+", name)
-    joined = "_".join(words).lower()
-    for acronym in sorted((a for a in ACRONYMS if "/" not in a), key=len, reverse=True):
-        if name.lower().startswith(acronym) and ACRONYMS[acronym] == name[:len(acronym)]:
-            rest = name[len(acronym):]
-            tail = re.findall(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z0-9]+|[A-Z]+", rest)
-            return " ".join([ACRONYMS[acronym], *(t.lower() for t in tail)])
-    return field_title(joined)
+    # An acronym written mixed-case at the start (LoRA, MLflow) is kept whole; CamelCase splits the rest.
+    head = next((a for a in sorted(ACRONYMS.values(), key=len, reverse=True)
+                 if name.startswith(a) and not a.isupper()), "")
+    words = ([head] if head else []) + [w.lower() for w in _CAMEL.findall(name[len(head):])]
+    return field_title("_".join(words)) if not head else " ".join([head, *(_word(w) for w in words[1:])])
