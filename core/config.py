@@ -30,6 +30,8 @@ from typing import Annotated, Any, Literal, Sequence, TypeVar, Union, get_args, 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from core.titles import field_title, model_title
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 C = TypeVar("C", bound=BaseModel)
 
@@ -41,7 +43,9 @@ class ConfigError(ValueError):
 class ConfigModel(BaseModel):
     # Field descriptions land in the JSON schema, which Prefect renders as its run form.
     # inf/nan pass pydantic's gt/ge checks (nan compares false, inf is "greater"); no knob wants them.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # Titles there are human ("SFT teacher", "Learning rate", "Tensor parallel (tp)"): core/titles.py.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
+                              field_title_generator=field_title, model_title_generator=model_title)
 
     @field_validator("*")
     @classmethod

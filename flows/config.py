@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from core.config import ConfigModel, ensure_within
 from core.tracking import TrackingConfig
@@ -50,9 +51,13 @@ class PipelineConfig(ConfigModel):
     resources: ResourcesConfig = Field(ResourcesConfig(), description="Devices concurrent nodes share.")
     lock_wait_s: float = Field(
         0.0, ge=0, description="How long a node waits for another run holding its output dir; 0 = fail at once.")
-    schedule: str | None = Field("0 3 * * 1", description="Deployment cron (Mon 03:00); None = manual.")
-    schedule_timezone: str | None = Field(None, description="IANA timezone the cron runs in (e.g. Europe/Paris); "
-                                                            "None = this machine's.")
+    # Serve-time settings (`posttrain serve` builds the scheduled deployment from them): a run never
+    # reads them, so they are left out of the flow's parameter schema (the run form) and of the
+    # deployments' parameters (flows/form.py: SERVE_ONLY).
+    schedule: SkipJsonSchema[str | None] = Field("0 3 * * 1", description="Deployment cron (Mon 03:00); "
+                                                                          "None = manual.")
+    schedule_timezone: SkipJsonSchema[str | None] = Field(
+        None, description="IANA timezone the cron runs in (e.g. Europe/Paris); None = this machine's.")
     stage_retries: int = Field(2, ge=0, description="Retries of a failed node (it resumes from its checkpoint).")
     retry_delay_s: float = Field(10.0, ge=0, description="First retry delay; each next one is 3x longer.")
 

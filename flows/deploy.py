@@ -1,7 +1,8 @@
 """Deployments of the pipeline flow, served by this process (`flow.serve`'s multi-deployment
 form): one run on demand from the UI, one recurring retraining on the config's cron schedule.
 Both take the typed PipelineConfig as their parameter, which the Prefect UI renders as a form
-whose values can be edited per run or on the deployment.
+whose values can be edited per run or on the deployment: the served config's own form (one section
+per node, everyday knobs first; flows/form.py), its DAG summarized in the description.
 
     PREFECT_API_URL=http://127.0.0.1:4200/api posttrain serve configs/demo.yaml
 """
@@ -39,18 +40,27 @@ def machine_timezone() -> str:
 
 
 def build_deployments(cfg: PipelineConfig) -> list:
+    """The on-demand deployment and, when the config has a cron `schedule`, the scheduled one. Both
+    carry the config's own run form (flows.form.form_schema: one section per node, everyday knobs
+    first, no serve-time fields) and a markdown summary of the DAG as their description."""
     from prefect.schedules import Cron
+    from prefect.utilities.callables import ParameterSchema
 
-    params = {"config": cfg.model_dump(mode="json")}
+    from flows.form import form_schema, run_parameters, summary
+
+    params, schema = run_parameters(cfg), ParameterSchema(**form_schema(cfg))
     deployments = [post_training.to_deployment(
         name=ON_DEMAND, parameters=params, tags=["posttrain"],
-        description="Run the post-training pipeline now; edit the config in the run form.")]
+        description="Run the post-training pipeline now; edit the config in the run form.\n\n" + summary(cfg))]
     if cfg.schedule:
         tz = cfg.schedule_timezone or machine_timezone()
         deployments.append(post_training.to_deployment(
             name=SCHEDULED, schedules=[Cron(cfg.schedule, timezone=tz)], parameters=params,
             tags=["posttrain", "scheduled"],
-            description=f"Recurring retraining ({cfg.schedule}, {tz}); parameters editable on the deployment."))
+            description=f"Recurring retraining ({cfg.schedule}, {tz}); parameters editable on the deployment.\n\n"
+                        + summary(cfg, cfg.schedule, tz)))
+    for d in deployments:
+        d._parameter_openapi_schema = schema  # the served config's form, not the flow's generic one
     return deployments
 
 

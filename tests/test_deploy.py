@@ -74,8 +74,12 @@ def test_deployment_triggered_from_the_api(prefect_api, tmp_path):
                                                                                             "Europe/Paris")]
             assert "(0 4 * * 2, Europe/Paris)" in scheduled.description  # shown on the deployment
 
-            # The UI's "Run" with an edited form: parameters come from the request.
-            params = {"config": {**cfg, "name": "from-ui", "nodes": {"prep": {"kind": "data_prep", "synthetic_size": 24}}}}
+            # The UI's "Run" with an edited form: the deployment's parameters (the whole config, without
+            # the serve-time schedule) with the edits, from the request.
+            params = deployments["on-demand"].parameters
+            assert "schedule" not in params["config"] and "schedule_timezone" not in params["config"]
+            params["config"]["name"] = "from-ui"
+            params["config"]["nodes"]["prep"]["synthetic_size"] = 24
             run = run_deployment("post_training/on-demand", parameters=params, timeout=600)
             assert run.state.is_completed(), run.state
             assert run.parameters["config"]["name"] == "from-ui"
