@@ -20,6 +20,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import warnings
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ EXAMPLE_PROMPTS = ["What is 12 + 30?"]
 CODE_PACKAGES = ("core", "kernels", "registry")
 REQUIREMENTS = ("mlflow", "torch", "tokenizers", "safetensors", "jinja2", "pydantic", "pyyaml", "numpy", "pandas")
 BATCH = 16
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")  # registry.hf.copy_tokenizer_files's
 
 
 def signature():
@@ -170,6 +173,14 @@ def _link_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, copy_function=_link, ignore=shutil.ignore_patterns(".*"))
 
 
+def _add_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer files of `src` into `dst`, replacing (not writing through) hard links."""
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            (dst / name).unlink(missing_ok=True)
+            shutil.copy2(src / name, dst / name)
+
+
 def requirements() -> list[str]:
     out = []
     for name in REQUIREMENTS:
@@ -203,12 +214,17 @@ def log_pyfunc_model(client, run_id: str, model_dir: Path, name: str, params: di
                 _link_tree(model_dir, links / ADAPTER_ARTIFACT)
             else:
                 _link_tree(model_dir, links / HF_ARTIFACT)
+            tok = _tokenizer_dir(links / HF_ARTIFACT, model_dir.parent / "tokenizer")  # a stage's own
+            if tok is not None and tok != links / HF_ARTIFACT:
+                _add_tokenizer(tok, links / HF_ARTIFACT)
             if _tokenizer_dir(links / HF_ARTIFACT) is None:
                 raise FileNotFoundError(f"{model_dir}: no tokenizer.json; a registered model carries its tokenizer")
             artifacts = {p.name: str(p) for p in sorted(links.iterdir())}
             mlflow_model = Model(artifact_path=logged.artifact_location, model_uuid=logged.model_id,
                                  run_id=run_id, model_id=logged.model_id)
             local = tmp / "model"
+            stack.enter_context(warnings.catch_warnings())  # the signature is given: no type hints needed
+            warnings.filterwarnings("ignore", message=".*type hints to the `predict` method")
             mlflow.pyfunc.save_model(
                 path=str(local), python_model=PosttrainLM(), artifacts=artifacts, mlflow_model=mlflow_model,
                 signature=signature(), input_example=(pd.DataFrame({"prompt": EXAMPLE_PROMPTS}),

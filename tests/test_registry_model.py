@@ -201,3 +201,45 @@ def test_registering_without_runs_or_datasets(reg, tmp_path):
     assert mv.tags["lineage.student.digest"] == "b" * 64 and not any(k.endswith(".run_id") for k in mv.tags)
     assert reg.client.get_run(run).inputs.dataset_inputs == []
     assert reg.client.get_logged_model(mv.source.removeprefix("models:/")).status.to_proto() == 2
+
+
+def test_an_adapter_is_registered_merged_into_its_base(reg, tracking):
+    """A PEFT adapter directory (a LoRA stage's `adapter/`) is registered as its base with the
+    adapter merged (artifact hf, the tokenizer from the base) and the adapter's own files kept
+    (artifact adapter); predict is the base + adapter's greedy generate."""
+    from core.lora import apply_lora
+    from core.model.generate import SamplingParams, generate
+    from registry.adapters import load_adapter, save_adapter
+    from registry.hf import load_pretrained
+    from registry.mlflow_registry import RegistryConfig, register_and_promote
+    from registry.tokenizer import Tokenizer
+
+    model = load_pretrained(reg.hf)
+    apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn_like(p, generator=torch.Generator().manual_seed(1)) * 0.5)
+    stage = reg.root / "lora"
+    save_adapter(model, stage / "adapter", base_model=str(reg.hf))
+    run = reg.client.create_run(reg.client.get_experiment_by_name("posttrain").experiment_id).info.run_id
+    source = {"evaluate": "evaluate", "model_dir": str(stage), "model_name": "lora",
+              "metrics": {"exact_match": 0.5}, "lineage": {}, "baseline": None}
+    decision = register_and_promote(RegistryConfig(model_name="tiny-lora", baseline=None), reg.uri, run, source)
+
+    ours = load_pretrained(reg.hf).eval()
+    load_adapter(ours, stage / "adapter")
+    tok = Tokenizer.from_pretrained(reg.hf)
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=tuple(tok.eos_ids))
+    expected = [tok.decode(g.tokens, skip_special_tokens=True) for g in generate(ours.eval(), ids, params, tok.pad_id)]
+    assert expected != direct(reg.hf, PROMPTS, 6)  # the adapter changes what the base says
+    loaded = tracking.pyfunc.load_model(f"models:/tiny-lora/{decision['version']}")
+    assert list(loaded.predict(pd.DataFrame({"prompt": PROMPTS}), params={"max_new_tokens": 6})["completion"]) \
+        == expected
+    local = Path(tracking.artifacts.download_artifacts(
+        artifact_uri=reg.client.get_model_version_download_uri("tiny-lora", decision["version"]),
+        dst_path=str(reg.root / "dl-lora")))
+    assert {f.name for f in (local / "artifacts" / "adapter").iterdir()} == {"adapter_config.json",
+                                                                            "adapter_model.safetensors"}
+    assert (local / "artifacts" / "hf" / "tokenizer.json").exists()
