@@ -141,6 +141,7 @@ def register_model(client, name: str, run_id: str, model_dir: Path, metric: str,
     from mlflow.entities import Metric
     from mlflow.exceptions import MlflowException
 
+    from core.tracking.params import clean_key
     from registry.mlflow_model import log_pyfunc_model
 
     tags = {f"eval.{metric}": str(value), **lineage_tags(source, run_id)}
@@ -153,7 +154,7 @@ def register_model(client, name: str, run_id: str, model_dir: Path, metric: str,
     evals = [d for d in datasets if d.get("context") in ("eval", "evaluation")]
     on = {"dataset_name": str(evals[0]["name"]), "dataset_digest": str(evals[0]["digest"])[:36]} if evals else {}
     now = int(time.time() * 1000)
-    metrics = [Metric(f"registered/{k}", float(v), now, 0, model_id=logged.model_id, **on)
+    metrics = [Metric(clean_key(f"registered/{k}"), float(v), now, 0, model_id=logged.model_id, **on)
                for k, v in (source.get("metrics") or {}).items()
                if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if metrics:

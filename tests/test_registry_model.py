@@ -55,7 +55,7 @@ def reg(tmp_path_factory):
     datasets = [{"name": "sft_train", "path": str(train), "digest": sha256(train), "node": "prep"},
                 {"name": "sft_test", "path": str(test), "digest": sha256(test), "context": "eval", "node": "prep"}]
     source = {"evaluate": "evaluate", "model_dir": str(model_dir), "model_name": "student",
-              "metrics": {"exact_match": 0.25, "n": 3}, "lineage": lineage,
+              "metrics": {"exact_match": 0.25, "n": 3, "exact_match/task=copy": 0.5}, "lineage": lineage,
               "runs": {**runs, "prep": None}, "datasets": datasets, "baseline": None}
     decision = register_and_promote(RegistryConfig(model_name="tiny", baseline=None), uri, parent, source)
     mv = client.get_model_version("tiny", decision["version"])
@@ -170,6 +170,7 @@ def test_datasets_are_inputs_with_digests_and_the_metrics_are_the_models(reg):
         assert tags["mlflow.data.context"] == ds.get("context", "training") and tags["node"] == "prep"
     metrics = {m.key: m for m in reg.client.get_logged_model(reg.model_id).metrics}
     assert metrics["registered/exact_match"].value == 0.25 and metrics["registered/n"].value == 3
+    assert metrics["registered/exact_match/task_copy"].value == 0.5  # a key MLflow takes
     assert (metrics["registered/exact_match"].dataset_name, metrics["registered/exact_match"].dataset_digest) == (
         "sft_test", reg.datasets[1]["digest"][:36])
 
