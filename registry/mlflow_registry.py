@@ -166,7 +166,13 @@ def register_model(client, name: str, run_id: str, model_dir: Path, metric: str,
             raise
     # Source `models:/<model_id>` (what links the version to its LoggedModel in the UI); a local
     # store resolves it through the global tracking URI, so that is this client's meanwhile.
-    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+    try:
+        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+    except ImportError:  # a private helper of MLflow 3.x; without it, the global URI as it is
+        import contextlib
+
+        def _use_tracking_uri(uri):
+            return contextlib.nullcontext()
 
     with _use_tracking_uri(client.tracking_uri):
         version = client.create_model_version(name, f"models:/{logged.model_id}", run_id=run_id, tags=tags,
