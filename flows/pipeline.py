@@ -347,7 +347,8 @@ def registry_source(dag: PipelineDAG, results: dict[str, StageResult]) -> dict[s
 
 
 def datasets_of(dag: PipelineDAG, results: dict[str, StageResult]) -> list[dict[str, str]]:
-    """Every file a data_prep node wrote, by content: {name: '<node>/<split>', path, digest (sha256)}."""
+    """Every file a data_prep node wrote, by content: {name: '<node>/<split>', path, digest (sha256),
+    context (training, validation, or eval for a test split), node}."""
     rows = []
     for n in dag.order:
         if dag.kind(n) != "data_prep" or n not in results:
@@ -356,8 +357,10 @@ def datasets_of(dag: PipelineDAG, results: dict[str, StageResult]) -> list[dict[
         files = m.get("files", {})
         for split, rel in sorted(m.get("outputs", {}).items()):
             if rel in files:
+                context = ("eval" if split.endswith("_test") else "validation" if split.endswith("_validation")
+                           else "training")  # MLflow's dataset context: what the pipeline used it for
                 rows.append({"name": f"{n}/{split}", "path": str(Path(results[n].output_dir) / rel),
-                             "digest": files[rel]})
+                             "digest": files[rel], "context": context, "node": n})
     return rows
 
 

@@ -318,7 +318,7 @@ class Run:
 def mlflow_facts(workspace: Path, model_name: str, dst: Path) -> dict:
     """What MLflow holds, read in a fresh process (this one would keep a cached connection to a
     SQLite file moved away): the sha256 of every file of the model version under alias
-    `candidate` (downloaded into `dst`), and every run (id, name, status, tags)."""
+    `candidate` (its HF files, downloaded into `dst`), and every run (id, name, status, tags)."""
     script = "import json, sys; from test_chaos import _mlflow_facts; print(json.dumps(_mlflow_facts(*sys.argv[1:])))"
     out = subprocess.run([sys.executable, "-c", script, str(workspace), model_name, str(dst)],
                          capture_output=True, text=True, cwd=workspace,
@@ -331,13 +331,14 @@ def mlflow_facts(workspace: Path, model_name: str, dst: Path) -> dict:
 
 def _mlflow_facts(workspace: str, model_name: str, dst: str) -> dict:
     from mlflow import MlflowClient
-    from mlflow.artifacts import download_artifacts
+
+    from registry.mlflow_registry import fetch_registered
 
     uri = f"sqlite:///{Path(workspace) / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    version = client.get_model_version_by_alias(model_name, "candidate")
     Path(dst).mkdir(parents=True)
-    local = Path(download_artifacts(artifact_uri=version.source, dst_path=dst, tracking_uri=uri))
+    # the HF files inside the registered MLflow model (its MLmodel names run and model ids, which differ)
+    local, _ = fetch_registered(uri, f"models:/{model_name}@candidate", Path(dst))
     files = {str(f.relative_to(local)): hashlib.sha256(f.read_bytes()).hexdigest()
              for f in sorted(local.rglob("*")) if f.is_file()}
     exp = client.get_experiment_by_name("posttrain")

@@ -122,9 +122,11 @@ def test_each_adapter_is_logged_and_registered_on_its_own(root):
     source = {"model_dir": str(root / "tracked" / "model-b"), "model_name": "model-b", "evaluate": "eval",
               "metrics": {"exact_match": 0.5}, "lineage": {}}
     decision = register_and_promote(RegistryConfig(model_name="adapter-b"), uri, run_id, source)
-    version = client.get_model_version("adapter-b", decision["version"])
-    files = {Path(f.path).name for f in client.list_artifacts(version.run_id, "model")}
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    from registry.mlflow_registry import fetch_registered
+
+    # registered as an MLflow model merged into its base: the HF files a later pipeline can load
+    local, _ = fetch_registered(uri, f"models:/adapter-b/{decision['version']}", root / "fetched")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in local.iterdir()}
 
 
 class KilledAt:

@@ -154,6 +154,18 @@ def test_mlflow_holds_parent_and_children_and_registry_alias(first_run, workdir)
     assert first_run.registered["model"] == "dpo"  # the evaluate node's first model (it selects none)
     version = client.get_model_version_by_alias("e2e-model", "candidate")
     assert version.run_id == first_run.parent_run_id
+    # an MLflow model (registry.mlflow_model), its lineage as links to every node's run, and the
+    # prepared data as the parent run's dataset inputs, by content digest
+    assert version.source.startswith("models:/m-")
+    for name in recording:
+        assert version.tags[f"lineage.{name}.run_id"] == first_run.stages[name].mlflow_run_id, name
+        assert version.tags[f"lineage.{name}.digest"] == first_run.stages[name].digest, name
+    prep = json.loads((Path(first_run.stages["prep"].output_dir) / "manifest.json").read_text())
+    inputs = {d.dataset.name: d for d in parent.inputs.dataset_inputs}
+    assert {"prep/sft_train", "prep/preference_train", "prep/sft_test"} <= set(inputs), sorted(inputs)
+    train = inputs["prep/sft_train"]
+    assert {t.key: t.value for t in train.tags}["mlflow.data.context"] == "training"
+    assert prep["files"][prep["outputs"]["sft_train"]].startswith(train.dataset.digest)
     # Champion only past the floor: beating the model it was trained from (registry.baseline
     # 'auto': dpo <- distill <- student, the furthest one the evaluate node evaluated).
     reg = first_run.registered
