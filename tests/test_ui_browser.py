@@ -122,10 +122,9 @@ def stack(browser, tmp_path_factory):
         s.start()
         first = s.api.create_run(s.deployment["id"], name=f"api-{uuid.uuid4().hex[:6]}")
         s.runs["api"] = s.api.wait(first["id"], RUN_TIMEOUT_S, s.serve)
-        name = run_from_form(s, browser)
-        form = next((r for r in s.api.flow_runs(s.deployment["id"]) if r["name"] == name), None)
-        assert form is not None, f"submitting the run form created no flow run named {name!r}"
-        s.runs["form"] = s.api.wait(form["id"], RUN_TIMEOUT_S, s.serve)
+        run_id, name = run_from_form(s, browser)
+        assert s.api.flow_run(run_id)["name"] == name, "the run form's Run Name was not the run's name"
+        s.runs["form"] = s.api.wait(run_id, RUN_TIMEOUT_S, s.serve)
         yield s
     finally:
         s.stop()
@@ -184,8 +183,9 @@ def set_form_value(page, path: list[str], new, labels: list[str]):
                          f"JSON editor holding that path. Labels on the form: {found[:80]}")
 
 
-def run_from_form(s: Stack, browser) -> str:
-    """Deployment page > Run > Custom run; edit one parameter and the run's name; submit."""
+def run_from_form(s: Stack, browser) -> tuple[str, str]:
+    """Deployment page > Run > Custom run; edit one parameter and the run's name; submit; "View run"
+    in the toast. Returns (flow run id, name)."""
     node, field, old, new = EDITED
     ctx, page = new_page(browser)
     try:
@@ -204,14 +204,34 @@ def run_from_form(s: Stack, browser) -> str:
         edited = set_form_value(page, ["config", "nodes", node, field], new,
                                 labels=[field.replace("_", " ").capitalize(), field.replace("_", " ").title(), field])
         # show the edited line: in the JSON editor, the highlighted copy of the text holds it
-        target = page.locator(".p-code-input__view").get_by_text(f'"{field}": {new}')
-        (target.first if target.count() else edited).scroll_into_view_if_needed()
+        target = page.locator(".p-code-input__view").get_by_text(f'"{field}"', exact=True)
+        for _ in range(5):  # the highlighted copy re-renders after typing
+            try:
+                (target.first if target.count() else edited).scroll_into_view_if_needed(timeout=5000)
+                break
+            except Exception:  # noqa: BLE001 - detached mid-render: find it again
+                page.wait_for_timeout(500)
         shot(page, "02-run-form-edited")
         page.get_by_role("button", name="Submit").click()
-        page.wait_for_url(re.compile(r"/deployments/deployment/|/runs/flow-run/"))
+        # Prefect goes back to the deployment page with a toast: "<name> scheduled to start now", "View run"
+        toast = page.get_by_text(name).first
+        toast.wait_for()
+        try:  # the deployment page behind it
+            page.get_by_role("tab", name="Runs", exact=True).wait_for(timeout=20_000)
+        except Exception:  # noqa: BLE001 - seen blank on a busy machine: the screenshot shows it
+            pass
         page.wait_for_load_state("networkidle")
         shot(page, "03-after-submit")
-        return name
+        try:  # the toast re-renders while it counts down: a plain click may never find it stable
+            page.locator(".toast-flow-run-create__button").first.click(force=True, timeout=10_000)
+            page.wait_for_url(re.compile(r"/runs/flow-run/[0-9a-f-]{36}"), timeout=20_000)
+            page.get_by_text(name, exact=True).first.wait_for()
+            shot(page, "03b-form-run-started")
+            return re.search(r"/runs/flow-run/([0-9a-f-]{36})", page.url).group(1), name
+        except Exception:  # noqa: BLE001 - the toast has gone: the run by its name
+            runs = [r for r in s.api.flow_runs(s.deployment["id"]) if r["name"] == name]
+            assert runs, f"submitting the run form created no flow run named {name!r}"
+            return runs[0]["id"], name
     finally:
         ctx.close()
 
