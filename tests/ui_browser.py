@@ -186,5 +186,10 @@ def shot(page, name: str) -> Path:
     """A full-page screenshot into the artifact folder."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
+    try:  # a page fading in would be captured half-transparent
+        page.wait_for_function("() => document.getAnimations().every(a => a.playState !== 'running' "
+                               "|| a.effect?.getComputedTiming().iterations === Infinity)", timeout=5000)
+    except Exception:  # noqa: BLE001 - an endless spinner: take it as it is
+        pass
     page.screenshot(path=str(path), full_page=True)
     return path
