@@ -379,10 +379,10 @@ def test_registered_model_shows_both_versions_with_their_aliases(stack, browser)
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "MLflow 3.17 picks an experiment's page (GenAI overview or the runs table) from its sidebar switch "
-    "(localStorage mlflow.workflowType, default GenAI, or ?workflowType=machine_learning in the URL), not "
-    "from the mlflow.experimentKind tag: the links posttrain makes (flows/report.py mlflow_link) need "
-    "?workflowType=machine_learning"))
+    "MLflow 3.17 picks an experiment's page from its sidebar switch (localStorage mlflow.workflowType, "
+    "default GenAI, or ?workflowType=machine_learning in the URL), not from the mlflow.experimentKind tag: "
+    "#/experiments/<id> opens the GenAI overview and a run's breadcrumb the 'Evaluation runs' list; the "
+    "links posttrain makes (flows/report.py mlflow_link) need ?workflowType=machine_learning"))
 def test_the_experiment_opens_on_the_runs_table(stack, browser):
     exp = _experiment_id(stack)
     ctx, page = _summary_page(stack, browser, "form", "11")
@@ -398,11 +398,20 @@ def test_the_experiment_opens_on_the_runs_table(stack, browser):
         ml.wait_for_url(re.compile(rf"#/experiments/{exp}(/|\?|$)"))
         ml.get_by_text("Run Name", exact=True).or_(ml.get_by_text("Usage", exact=True)).first.wait_for()
         _close_assistant(ml)
-        shot(ml, "12-mlflow-experiment")
-        assert "/overview" not in ml.url and "workflowType=genai" not in ml.url, \
-            f"the experiment opened on the GenAI overview: {ml.url}"
-        ml.get_by_text("Run Name", exact=True).first.wait_for(timeout=10_000)
+        shot(ml, "12-mlflow-experiment-from-breadcrumb")
+        runs_table = re.compile(rf"#/experiments/{exp}/runs(\?|$)")
+        assert runs_table.search(ml.url), f"the run's experiment breadcrumb did not open the runs table: {ml.url}"
         ml.get_by_text(f"{PIPELINE} ({stack.runs['form']['name']})").first.wait_for(timeout=10_000)
+        # the experiment's own address (what MLflow prints as "View experiment at"), a fresh user
+        ctx2, fresh = new_page(browser)
+        try:
+            fresh.goto(f"{stack.mlflow}/#/experiments/{exp}")
+            fresh.get_by_text("Run Name", exact=True).or_(fresh.get_by_text("Usage", exact=True)).first.wait_for()
+            _close_assistant(fresh)
+            shot(fresh, "12b-mlflow-experiment-page")
+            assert runs_table.search(fresh.url), f"the experiment opened on {fresh.url}, not on its runs table"
+        finally:
+            ctx2.close()
     finally:
         ctx.close()
 
@@ -434,14 +443,16 @@ def test_the_evaluate_comparison_shows_one_value_per_model(stack, browser):
         _close_assistant(page)
         for name in models:
             page.get_by_text(f"evaluate/{name}", exact=True).first.wait_for()
-        row = page.get_by_role("row").filter(has=page.get_by_text("exact_match", exact=True))
-        if row.count() == 0:
-            row = page.locator("tr").filter(has_text=re.compile(r"^\s*exact_match"))
-        row.first.scroll_into_view_if_needed()
+        metric = page.get_by_text("exact_match", exact=True)
+        metric.last.scroll_into_view_if_needed()
         shot(page, "13-mlflow-evaluate-comparison")
-        cells = [c for c in row.first.locator("th, td, [role=cell], [role=gridcell]").all_inner_texts()
-                 if c.strip() and c.strip() != "exact_match"]
-        assert len(cells) == len(models), f"exact_match row: {cells} for models {models}"
+        # the metrics table: the exact_match row holds one value per compared run
+        # (its row: the nearest element around the metric's name that holds more than the name)
+        row = metric.first.evaluate("""el => { for (let n = el.parentElement; n; n = n.parentElement) {
+            const t = n.innerText.split('\\n').map(s => s.trim()).filter(Boolean);
+            if (t.length > 1) return t; } return []; }""")
+        cells = [c for c in row if c != "exact_match"]
+        assert len(cells) == len(models), f"exact_match row: {row} for models {models}"
     finally:
         ctx.close()
 

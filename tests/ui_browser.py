@@ -114,11 +114,20 @@ class PrefectAPI:
 
     def call(self, method: str, path: str, body: Any = None, timeout: float = 30) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            text = r.read()
-        return json.loads(text) if text else None
+        for attempt in range(6):  # a busy server answers 503 (its SQLite locked) now and then: retry
+            req = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    text = r.read()
+                return json.loads(text) if text else None
+            except urllib.error.HTTPError as e:
+                if e.code < 500 or attempt == 5:
+                    raise
+            except (urllib.error.URLError, TimeoutError):
+                if attempt == 5:
+                    raise
+            time.sleep(2 ** attempt)
 
     def deployment(self, flow: str, name: str, timeout: float = 240, proc: Proc | None = None) -> dict:
         """The deployment, once `posttrain serve` has registered it."""
