@@ -448,7 +448,7 @@ def test_the_evaluate_comparison_shows_one_value_per_model(stack, browser):
         shot(page, "13-mlflow-evaluate-comparison")
         # the metrics table: the exact_match row holds one value per compared run
         # (its row: the nearest element around the metric's name that holds more than the name)
-        row = metric.first.evaluate("""el => { for (let n = el.parentElement; n; n = n.parentElement) {
+        row = metric.last.evaluate("""el => { for (let n = el.parentElement; n; n = n.parentElement) {
             const t = n.innerText.split('\\n').map(s => s.trim()).filter(Boolean);
             if (t.length > 1) return t; } return []; }""")
         cells = [c for c in row if c != "exact_match"]
