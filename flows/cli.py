@@ -119,8 +119,12 @@ def cmd_serve(args) -> int:
 def cmd_ui(args) -> int:
     from flows.ui import run_ui
 
-    return run_ui(host=args.host, prefect_port=args.prefect_port, mlflow_port=args.mlflow_port,
-                  backend_store=args.backend_store)
+    try:
+        return run_ui(host=args.host, prefect_port=args.prefect_port, mlflow_port=args.mlflow_port,
+                      backend_store=args.backend_store)
+    except RuntimeError as e:  # a port taken, a server that did not come up: say so, no traceback
+        print(f"posttrain ui: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_bench(args) -> int:

@@ -114,8 +114,20 @@ def mlflow_link(tracking_uri: str, experiment_id: str | None, run_id: str | None
         return "-"
     label = text or run_id[:12]
     if experiment_id and tracking_uri.startswith(("http://", "https://")):
-        return f"[{label}]({tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id})"
+        return f"[{label}]({tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{ML_VIEW})"
     return f"`{run_id}`"
+
+# MLflow 3.17's UI picks an experiment's views from its sidebar switch (default: GenAI, traces and
+# evaluation runs), not from the experiment's mlflow.experimentKind tag; this query parameter opens
+# the model-training views (the runs table, a run's metrics) whatever the switch says.
+ML_VIEW = "workflowType=machine_learning"
+
+
+def experiment_link(tracking_uri: str, experiment_id: str | None, text: str) -> str:
+    """A markdown link to the experiment's runs table when the tracking URI is a server."""
+    if experiment_id and tracking_uri.startswith(("http://", "https://")):
+        return f"[{text}]({tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs?{ML_VIEW})"
+    return text
 
 
 def run_summary_markdown(cfg, order: list[str], results: dict[str, Any], parent,
@@ -125,7 +137,8 @@ def run_summary_markdown(cfg, order: list[str], results: dict[str, Any], parent,
     uri, exp = cfg.tracking.tracking_uri, getattr(parent, "experiment_id", None)
     table = {row["stage"]: row for row in stage_table(results)}
     lines = [f"# {cfg.name}", "",
-             f"MLflow parent run: {mlflow_link(uri, exp, getattr(parent, 'run_id', None))} ({uri})", "",
+             f"MLflow parent run: {mlflow_link(uri, exp, getattr(parent, 'run_id', None))} ({uri}), in experiment "
+             f"{experiment_link(uri, exp, cfg.tracking.experiment)}", "",
              "| node | kind | status | metric | before | after | duration | MLflow run |",
              "|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731

@@ -27,10 +27,24 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> bool:
     return False
 
 
+def port_in_use(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, port)) == 0
+
+
 def start_servers(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port: int = 5000,
                   backend_store: str | None = None, artifacts: str = "mlartifacts",
                   timeout: float = 120.0) -> list[tuple[str, subprocess.Popen, str]]:
-    """Start both servers (each in its own process group) and wait until they answer."""
+    """Start both servers (each in its own process group) and wait until they answer. A port
+    already taken is an error before anything starts (else the health check would be answered by
+    whatever holds it, and runs would go to someone else's server)."""
+    for what, port, flag in (("Prefect", prefect_port, "--prefect-port"), ("MLflow", mlflow_port, "--mlflow-port")):
+        if port_in_use(host, port):
+            raise RuntimeError(f"{host}:{port} (for the {what} server) is already in use, perhaps by another "
+                               f"`posttrain ui` or server; choose another with {flag}")
     bindir = Path(sys.executable).parent
     backend_store = backend_store or f"sqlite:///{Path('mlflow.db').resolve()}"
     env = {**os.environ, "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(prefect_port)}

@@ -102,7 +102,7 @@ def _tokenizer(cfg: DataPrepConfig, out: Path, suite: list) -> Any:
     return train_tokenizer(texts, cfg.vocab_size, out / "tokenizer")
 
 
-def prepare(cfg: DataPrepConfig) -> dict[str, Any]:
+def prepare(cfg: DataPrepConfig, run_id: str | None = None) -> dict[str, Any]:
     """Sources and the synthetic suite through core.data's one path: validate (for_each_example),
     then per task dedup by content hash, encode (Encoder: chat template, labels; examples over
     max_tokens dropped), drop under min_tokens, split by core.data.split; then Parquet + manifest."""
@@ -174,7 +174,7 @@ def prepare(cfg: DataPrepConfig) -> dict[str, Any]:
     metrics.update({f"dropped/{k}": v for k, v in sorted(drops.items())})
     metrics["vocab_size"] = tok.vocab_size
     return write_manifest(out, "data_prep", outputs, metrics=metrics, config=cfg.model_dump(mode="json"),
-                          extra={"drops": dict(drops)})
+                          extra={"drops": dict(drops), "mlflow_run_id": run_id})  # run_id: the stage's MLflow run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     manifest = None
     if d.is_main:  # data prep is cheap and must be written once; other ranks just wait
         with stage_run(cfg, "data_prep") as run:
-            manifest = prepare(cfg)
+            manifest = prepare(cfg, run.run_id)
             run.log_metrics(manifest["metrics"], step=0)
             run.log_artifact(str(Path(cfg.output_dir) / "manifest.json"))
     d.barrier()

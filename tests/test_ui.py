@@ -73,3 +73,20 @@ def test_sighup_takes_the_same_way_out_as_ctrl_c(monkeypatch):
     assert ui.run_ui(prefect_port=1, mlflow_port=2) == 0
     assert stopped == [["prefect", "mlflow"]]
     assert signal.getsignal(signal.SIGHUP) is before  # handlers put back
+
+
+def test_a_port_in_use_is_an_error_before_anything_starts(tmp_path):
+    """Another server on the Prefect port would answer the health check: `posttrain ui` must refuse
+    (naming the port and the flag) instead of sending runs to someone else's server."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "flows.cli", "ui", "--prefect-port", str(port),
+                              "--mlflow-port", str(_free_port())], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                               "PREFECT_HOME": str(tmp_path / "prefect")})
+    assert out.returncode == 1, out
+    assert f"127.0.0.1:{port} (for the Prefect server) is already in use" in out.stderr, out.stderr
+    assert "--prefect-port" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # nothing was started
