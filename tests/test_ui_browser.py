@@ -403,10 +403,9 @@ def test_the_experiment_opens_on_the_runs_table(stack, browser):
         ml.wait_for_url(re.compile(rf"#/experiments/{exp}/runs"))
         ml.get_by_text(f"{PIPELINE} ({stack.runs['form']['name']})").first.wait_for()
         _close_assistant(ml)
-        ml.wait_for_load_state("networkidle")
-        shot(ml, "12-mlflow-experiment-runs-table")
+        ml.get_by_text("Run Name", exact=True).first.wait_for(timeout=30_000)  # the runs table's header
+        shot(ml, "12-mlflow-experiment-runs-table")  # (MLflow polls: no network idle to wait for)
         assert "workflowType=machine_learning" in ml.url, ml.url
-        ml.get_by_text("Run Name", exact=True).first.wait_for(timeout=20_000)  # the runs table's header
     finally:
         ctx.close()
 
@@ -444,7 +443,7 @@ def test_the_evaluate_comparison_shows_one_value_per_model(stack, browser):
             for (const n of document.querySelectorAll('body *')) {
                 if (n.children.length) continue;
                 const b = n.getBoundingClientRect();
-                if (b.width && b.left >= r.right && Math.abs(b.top + b.height / 2 - y) < 8) out.push(n.innerText.trim());
+                if (b.width && b.left >= r.right && Math.abs(b.top + b.height / 2 - y) < 8) out.push((n.innerText || n.textContent || '').trim());
             } return out.filter(Boolean); }""") for m in metric.all()]
         values = [[c for c in row if re.fullmatch(r"-?[0-9.]+(e-?[0-9]+)?", c)] for row in rows]
         assert any(len(v) == len(models) for v in values), f"exact_match rows: {rows} for models {models}"
@@ -464,7 +463,7 @@ def test_the_registered_version_has_a_signature_and_lineage_links(stack, browser
         schema.first.scroll_into_view_if_needed()
         shot(page, "14-mlflow-version-signature")
         assert schema.first.inner_text() != "Inputs (0)", "the version has no signature"
-        page.get_by_text("prompt", exact=True).first.wait_for(timeout=10_000)
+        page.get_by_text(re.compile(r"^prompt\b")).first.wait_for(timeout=10_000)  # "prompt (required)"
         # lineage: the run it came from, and the logged model it is
         hrefs = [a.get_attribute("href") or "" for a in page.locator("a").all()]
         assert any(re.search(r"/runs/[0-9a-f]{32}", h) for h in hrefs), f"no link to the source run: {hrefs}"
