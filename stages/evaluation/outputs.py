@@ -50,19 +50,26 @@ def table_of(samples: list[dict[str, Any]]) -> dict[str, list]:
     return cols
 
 
-def log_table(tracker: Any, samples: list[dict[str, Any]], client: Any = None) -> None:
-    """The samples as an MLflow table of the tracker's run (`client`: an MlflowClient to reuse)."""
-    if not tracker.run_id or not samples:
+def mlflow_table(tracker: Any, data: dict[str, list], artifact_file: str, what: str, client: Any = None) -> None:
+    """`data` (columns) as an MLflow table of the tracker's run (`client`: an MlflowClient to reuse).
+    Tracking never fails an evaluation that has its results: a table not logged is a warning."""
+    if not tracker.run_id:
         return
     try:
         from mlflow import MlflowClient
 
         tracker.flush(timeout=60)
         client = client or MlflowClient(tracker.tracking_uri)
-        client.log_table(tracker.run_id, data=table_of(samples), artifact_file=TABLE)
-    except Exception as e:  # an outage or a value pandas cannot hold: the JSON artifact still has them
-        log.warning("evaluate: samples table not logged to MLflow run %s: %s: %s", tracker.run_id,
+        client.log_table(tracker.run_id, data=data, artifact_file=artifact_file)
+    except Exception as e:  # noqa: BLE001 - an outage, or a value pandas cannot hold (the JSON files have it)
+        log.warning("evaluate: %s table not logged to MLflow run %s: %s: %s", what, tracker.run_id,
                     type(e).__name__, e)
+
+
+def log_table(tracker: Any, samples: list[dict[str, Any]], client: Any = None) -> None:
+    """The samples as an MLflow table of the tracker's run."""
+    if samples:
+        mlflow_table(tracker, table_of(samples), TABLE, "samples", client)
 
 
 def comparison_rows(names: list[str], models: dict[str, str], results: dict[str, dict]) -> dict[str, list]:
@@ -78,17 +85,7 @@ def comparison_rows(names: list[str], models: dict[str, str], results: dict[str,
 def log_comparison(tracker: Any, names: list[str], models: dict[str, str], results: dict[str, dict]) -> None:
     """The models side by side as an MLflow table of the stage run (`comparison_table.json`: the
     run's Artifacts and the experiment's Evaluation/table views show it one row per model)."""
-    if not tracker.run_id:
-        return
-    try:
-        from mlflow import MlflowClient
-
-        tracker.flush(timeout=60)
-        MlflowClient(tracker.tracking_uri).log_table(tracker.run_id, data=comparison_rows(names, models, results),
-                                                     artifact_file=COMPARISON)
-    except Exception as e:  # noqa: BLE001 - tracking never fails an evaluation that has its results
-        log.warning("evaluate: comparison table not logged to MLflow run %s: %s: %s", tracker.run_id,
-                    type(e).__name__, e)
+    mlflow_table(tracker, comparison_rows(names, models, results), COMPARISON, "comparison")
 
 
 def model_runs(cfg: EvalConfig, stage: Any, names: list[str], results: dict[str, dict],
