@@ -29,6 +29,12 @@ missed); rss_after_mb = RSS once loaded; shard_mb = the bytes of this rank's par
 read_mb = checkpoint bytes the new path read. Wall-clock seconds of the load too. Only one run
 happens at a time; run it on an otherwise idle machine.
 
+--qlora measures QLoRA's load instead (NF4 base, double quant, LoRA r16 on every linear layer):
+old = the whole dense model on every rank, then apply_lora quantizes it; new =
+stages.common.load_quantized (built on meta, each targeted weight read from the mapped file just
+before it is quantized, then the dense rest). Both then shard under FSDP (core.quant's NF4
+storage pieces); shard_mb counts buffers too (the NF4 codes and scales are buffers).
+
 Why float32:float32 barely differs: safetensors' get_tensor returns tensors backed by the
 memory-mapped file, whose pages become resident only when touched, and fully_shard copies only
 a rank's rows; so on CPU, without a cast, the whole load already touched about a rank's share.
@@ -50,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("smollm2-135m", "qwen2.5-0.5b")
 PATHS = ("old", "new")
 CASES = ("bfloat16:float32", "float32:float32", "bfloat16:bfloat16")
+QLORA = {"enabled": True, "quantize_base": "nf4", "rank": 16, "alpha": 32}
 
 
 def _rss_mb() -> float:
@@ -89,30 +96,37 @@ class AnonPeak:
         return max(self.peak, _anon_mb())
 
 
-def worker(path: str, model_dir: str, dtype: str, out: str) -> None:
+def worker(path: str, model_dir: str, dtype: str, out: str, qlora: bool = False) -> None:
     """One rank of one measurement (under torchrun); rank 0 writes every rank's figures to `out`."""
     import torch
     import torch.distributed as dist
 
+    from core.lora import apply_lora
     from core.parallel.materialize import local_part
-    from stages.common import load_model, materialize_model, start_distributed
+    from stages.common import load_model, load_quantized, materialize_model, start_distributed
     from stages.config import SFTConfig
     from stages.recipe import parallelize_policy
 
     world = int(os.environ["WORLD_SIZE"])
     cfg = SFTConfig(model={"name_or_path": model_dir, "dtype": dtype},
-                    parallel={"dp_shard": world, "backend": "gloo", "device": "cpu"})
+                    parallel={"dp_shard": world, "backend": "gloo", "device": "cpu"}, lora=QLORA if qlora else {})
     d = start_distributed(cfg.parallel)
     d.barrier()
     before, anon, t0 = _rss_mb(), AnonPeak(), time.perf_counter()
     torch.manual_seed(cfg.seed)
     read = 0
-    model, _ = load_model(cfg.model, d.device, cfg.seed, meta=path == "new")
+    if qlora and path == "new":  # each weight quantized as it is read
+        model, _ = load_quantized(cfg.model, cfg.lora, d.device)
+    else:
+        model, _ = load_model(cfg.model, d.device, cfg.seed, meta=path == "new" and not qlora)
+        if qlora:  # the whole dense model, then quantized
+            apply_lora(model, cfg.lora)
     d.mesh = parallelize_policy(model, cfg, d)
-    if path == "new":
+    if path == "new" and not qlora:
         read = materialize_model(model, cfg.model, d.device, cfg.seed)
     seconds, peak_anon = time.perf_counter() - t0, anon.stop()
-    shard = sum(local_part(p)[0].nbytes for p in model.parameters())
+    held = [*model.parameters(), *(model.buffers() if qlora else ())]  # (QLoRA: the NF4 codes are buffers)
+    shard = sum(local_part(t)[0].nbytes for t in held)
     figures = {"rank": d.rank, "peak_rss_mb": _peak_mb(), "rss_before_mb": before, "rss_after_mb": _rss_mb(),
                "peak_anon_mb": peak_anon, "shard_mb": shard / 2**20, "read_mb": read / 2**20, "seconds": seconds}
     figures["added_mb"] = figures["peak_rss_mb"] - before
@@ -120,6 +134,7 @@ def worker(path: str, model_dir: str, dtype: str, out: str) -> None:
     dist.all_gather_object(ranks, figures)
     if d.is_main:
         Path(out).write_text(json.dumps(ranks))
+    dist.barrier()  # no rank tears its group down while another still talks on it
     dist.destroy_process_group()
 
 
@@ -137,17 +152,27 @@ def make_checkpoint(name: str, dtype: str, workdir: Path) -> Path:
     return path
 
 
-def measure(path: str, model_dir: Path, dtype: str, nproc: int, workdir: Path) -> list[dict]:
+def measure(path: str, model_dir: Path, dtype: str, nproc: int, workdir: Path, qlora: bool = False) -> list[dict]:
     out = workdir / f"ranks-{path}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "benchmarks.load_memory", "--worker", path, "--model-dir", str(model_dir), "--dtype", dtype,
-           "--ranks-out", str(out)]
+           "--ranks-out", str(out), *(["--qlora"] if qlora else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(out.read_text())
+    # gloo has been seen to abort a rank on CPU ("terminate called without an active exception",
+    # SIGABRT) once in many runs: such a run is measured again, once; any other failure fails at once.
+    for retry in (True, False):
+        out.unlink(missing_ok=True)
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+        ranks = json.loads(out.read_text()) if out.exists() else None
+        if ranks is not None and len(ranks) == nproc:
+            if proc.returncode:  # every rank's figures were gathered and written: the crash was at teardown
+                print(f"load_memory: {path} exited {proc.returncode} after writing every rank's figures "
+                      "(a crash at process teardown); the figures stand", file=sys.stderr)
+            return ranks
+        if not (retry and "SIGABRT" in proc.stdout + proc.stderr):
+            break
+    raise SystemExit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
 
 
 def summary(ranks: list[dict]) -> dict:
@@ -163,13 +188,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint dtype:model dtype")
     p.add_argument("--workdir", help="where the checkpoints are made and kept (default: a temporary directory)")
     p.add_argument("--out", help="also write the JSON document here")
+    p.add_argument("--qlora", action="store_true",
+                   help="QLoRA (NF4 base, LoRA r16 all-linear): old = the whole dense model, then quantized; "
+                        "new = each weight quantized as it is read (stages.common.load_quantized)")
     p.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     p.add_argument("--ranks-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.model_dir, args.dtype, args.ranks_out)
+        worker(args.worker, args.model_dir, args.dtype, args.ranks_out, args.qlora)
         return 0
 
     from core.model import get_preset
@@ -179,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     doc: dict = {"command": "python -m benchmarks.load_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "nproc": args.nproc, "layout": f"dp_shard={args.nproc} (FSDP2), gloo, CPU",
+                 "lora": "qlora nf4 r16 all-linear" if args.qlora else None,
                  "cpus": os.cpu_count(), "models": {}}
     for name in args.models:
         doc["models"][name] = {"parameters": get_preset(name).num_params()}
@@ -187,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = make_checkpoint(name, saved, workdir)
             entry: dict = {"checkpoint_mb": round((model_dir / "model.safetensors").stat().st_size / 2**20, 1)}
             for path in PATHS:
-                entry[path] = summary(measure(path, model_dir, dtype, args.nproc, workdir))
+                entry[path] = summary(measure(path, model_dir, dtype, args.nproc, workdir, args.qlora))
             entry["peak_ratio_new_old"] = round(entry["new"]["max_peak_rss_mb"] / entry["old"]["max_peak_rss_mb"], 3)
             doc["models"][name][case] = entry
     text = json.dumps(doc, indent=2)

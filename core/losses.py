@@ -15,8 +15,6 @@ Positions whose target equals `ignore_index` contribute nothing.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,8 +35,15 @@ from kernels.chunked_losses import (  # noqa: F401
     shift_labels,
     token_divergence,
 )
-
-DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge", "simpo")
+# The family (DPO, IPO, SimPO, ..., ORPO, KTO) lives in core/preference.py; re-exported here.
+from core.preference import (  # noqa: F401
+    DPO_LOSS_TYPES,
+    DPOOutput,
+    dpo_loss,
+    kto_kl,
+    kto_loss,
+    wpo_weights,
+)
 
 
 def num_target_tokens(labels: Tensor, ignore_index: int = IGNORE_INDEX, shift: bool = True) -> Tensor:
@@ -96,104 +101,6 @@ def chunked_sequence_logps(hidden: Tensor, weight: Tensor, labels: Tensor, ignor
     """`sequence_logps` from hidden states (B, T, H) and the lm_head (V, H), chunked."""
     tok = chunked_token_logps(hidden, weight, labels, ignore_index, chunk_size, shift, softcap)
     return _per_sequence(tok, labels, ignore_index, shift, average)
-
-
-# --------------------------------------------------------------------------- preference (DPO family)
-
-
-class DPOOutput(NamedTuple):
-    loss: Tensor  # scalar: mean of `losses`
-    chosen_rewards: Tensor  # (B,), detached
-    rejected_rewards: Tensor  # (B,), detached
-    margins: Tensor  # (B,) chosen_rewards - rejected_rewards
-    accuracy: Tensor  # scalar: fraction with chosen_rewards > rejected_rewards
-    losses: Tensor  # (B,) per-example loss, SFT term included
-
-
-def dpo_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, ref_chosen_logps: Tensor | None = None,
-             ref_rejected_logps: Tensor | None = None, beta: float = 0.1, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0, simpo_gamma: float = 0.5, chosen_lengths: Tensor | None = None,
-             rejected_lengths: Tensor | None = None, sft_weight: float = 0.0,
-             policy_chosen_nll: Tensor | None = None) -> DPOOutput:
-    """Preference losses on per-sequence log-probs (B,). With h the log-ratio margin
-
-        h = (log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x)),   s = logsigmoid,
-
-    - sigmoid  DPO, Rafailov et al. 2023 (arXiv 2305.18290):  -s(b h). With eps = label_smoothing
-               it is conservative DPO (cDPO):  -(1 - eps) s(b h) - eps s(-b h),  0 <= eps <= 0.5.
-    - robust   rDPO, Chowdhury et al. 2024 (arXiv 2403.00409), unbiased under label-flip rate eps:
-               ((1 - eps) (-s(b h)) + eps s(-b h)) / (1 - 2 eps),  0 <= eps < 0.5.
-    - ipo      IPO, Azar et al. 2023 (arXiv 2310.12036), eq. 17 with tau = b:  (h - 1 / (2 b))^2.
-               Like TRL, h is built from length-averaged log-probs (policy and reference alike).
-    - hinge    SLiC-HF, Zhao et al. 2023 (arXiv 2305.10425):  relu(1 - b h).
-    - simpo    SimPO, Meng et al. 2024 (arXiv 2405.14734), reference-free:
-               -s(b (avg log pi(y_w|x) - avg log pi(y_l|x)) - gamma),  gamma = simpo_gamma;
-               label_smoothing applies as in cDPO (TRL's CPO trainer does the same).
-
-    Length normalization (ipo, simpo): pass sums of token log-probs plus `chosen_lengths` and
-    `rejected_lengths` (token counts, see `num_target_tokens`), or pass already-averaged log-probs
-    and no lengths. Other loss types use the log-probs as given and ignore the lengths.
-
-    Rewards: b (log pi - log ref) per response (from the averaged log-probs for ipo); b avg log pi
-    for simpo. With sft_weight > 0 the per-example loss gains sft_weight * NLL(y_w) as in RPO
-    (Pang et al. 2024, arXiv 2404.19733): `policy_chosen_nll` (scalar or (B,)) or, if absent,
-    -policy_chosen_logps / chosen_lengths (the token-mean NLL of the chosen response).
-    """
-    check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
-    if beta <= 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
-    eps = float(label_smoothing)
-    if loss_type in ("ipo", "hinge") and eps != 0:
-        raise ValueError(f"label_smoothing must be 0 for loss_type={loss_type!r}, got {eps}")
-    if not 0 <= eps <= 0.5 or (loss_type == "robust" and eps == 0.5):
-        bound = "< 0.5" if loss_type == "robust" else "<= 0.5"
-        raise ValueError(f"label_smoothing must satisfy 0 <= label_smoothing {bound} for {loss_type!r}, got {eps}")
-    if policy_chosen_logps.dim() != 1 or policy_chosen_logps.shape != policy_rejected_logps.shape:
-        raise ValueError(f"policy log-probs must both be (B,), got {tuple(policy_chosen_logps.shape)} and "
-                         f"{tuple(policy_rejected_logps.shape)}")
-    if (chosen_lengths is None) != (rejected_lengths is None):
-        raise ValueError("pass both chosen_lengths and rejected_lengths, or neither")
-    reference_free = loss_type == "simpo"
-    if not reference_free and (ref_chosen_logps is None or ref_rejected_logps is None):
-        raise ValueError(f"loss_type={loss_type!r} needs ref_chosen_logps and ref_rejected_logps "
-                         "(only 'simpo' is reference-free)")
-
-    dt = compute_dtype(policy_chosen_logps.dtype)
-    pc, pr = policy_chosen_logps.to(dt), policy_rejected_logps.to(dt)
-    rc = None if reference_free else ref_chosen_logps.to(dt)
-    rr = None if reference_free else ref_rejected_logps.to(dt)
-    if loss_type in ("ipo", "simpo") and chosen_lengths is not None:
-        nc, nr = chosen_lengths.to(dt).clamp(min=1), rejected_lengths.to(dt).clamp(min=1)
-        pc, pr = pc / nc, pr / nr
-        rc, rr = (None, None) if reference_free else (rc / nc, rr / nr)
-
-    if reference_free:
-        chosen_rewards, rejected_rewards = beta * pc, beta * pr
-        logits = beta * (pc - pr) - simpo_gamma
-    else:
-        chosen_rewards, rejected_rewards = beta * (pc - rc), beta * (pr - rr)
-        h = (pc - rc) - (pr - rr)
-        logits = beta * h
-    if loss_type in ("sigmoid", "simpo"):
-        losses = -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
-    elif loss_type == "robust":
-        losses = ((1 - eps) * -F.logsigmoid(logits) + eps * F.logsigmoid(-logits)) / (1 - 2 * eps)
-    elif loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    else:  # hinge
-        losses = torch.relu(1 - logits)
-
-    if sft_weight:
-        if policy_chosen_nll is None:
-            if chosen_lengths is None:
-                raise ValueError("sft_weight > 0 needs policy_chosen_nll or chosen_lengths")
-            policy_chosen_nll = -policy_chosen_logps.to(dt) / chosen_lengths.to(dt).clamp(min=1)
-        losses = losses + sft_weight * policy_chosen_nll.to(dt)
-
-    chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
-    return DPOOutput(loss=losses.mean(), chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards,
-                     margins=chosen_rewards - rejected_rewards,
-                     accuracy=(chosen_rewards > rejected_rewards).to(dt).mean(), losses=losses)
 
 
 # --------------------------------------------------------------------------- distillation

@@ -20,7 +20,7 @@ rejected of a pair meet in one loss on every rank, each rank taking 1/cp of it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from torch import nn
 
 from core.data.packing import sequence_sums
 from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk, dpo_loss
+from core.preference import REFERENCE_FREE_LOSSES, kto_kl, length_desensitized_logps, wpo_weights
 from core.model.moe import routed_tokens
 from core.parallel.context import CP_KEY, shard_batch, shard_like, sum_over_shards
 from core.parallel.losses import (vocab_parallel_cross_entropy, vocab_parallel_distill_loss,
@@ -93,7 +94,11 @@ def _forward(model: nn.Module, batch: dict[str, Any], head: Callable) -> Any:
     # the end: under causal attention the real tokens never see the padding (`_head` drops it).
     sp = getattr(lm_head, "input_mode", None) == "sequence"
     pad = -ids.shape[-1] % dist.get_world_size(lm_head.tp_group) if sp else 0
-    real = batch["sequence_ids"] >= 0 if CP_KEY in batch else None  # shard_batch's padding: id -1
+    # MoE balancing counts real tokens only: padding (sequence id -1) of a padded batch, or of
+    # shard_batch's layout under context parallelism, does not
+    real = batch["sequence_ids"] >= 0 if "sequence_ids" in batch else None
+    if real is not None and CP_KEY not in batch and bool(real.all()):
+        real = None
     if pad:
         real = F.pad(torch.ones_like(ids, dtype=torch.bool) if real is None else real, (0, pad), value=False)
         ids = F.pad(ids, (0, pad))
@@ -124,51 +129,111 @@ def sft_objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
     return LossOutput(loss, batch["num_target_tokens"])
 
 
-def pair_logps(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_logps(model: nn.Module, batch: dict[str, Any], ld_alpha: float | None = None,
+               wpo: bool = False) -> tuple[torch.Tensor, ...]:
     """Summed log-probs of every sequence of a preference batch (chosen first, then rejected) and
     the number of target tokens of each, both (2N,); whole sequences' on every rank under
-    context parallelism too."""
+    context parallelism too. With `ld_alpha` the sums are LD-DPO's
+    (core.preference.length_desensitized_logps; not under context parallelism). With `wpo` a
+    third value: WPO's detached per-pair weights (N,) (core.preference.wpo_weights), which need
+    log sum_v p(v)^2 per token: an extra no-grad pass over the lm_head, chunked (one process or
+    FSDP only: not under tensor or context parallelism)."""
     batch = cp_view(model, batch)
     n_seq = 2 * batch["num_pairs"]
-    per_token = token_logps(model, batch)
-    targets = response_mask(batch).to(per_token.dtype)
-    sums = sequence_sums(per_token, batch["sequence_ids"], n_seq)
-    lengths = sequence_sums(targets, batch["sequence_ids"], n_seq)
     group = _cp_group(model)
+    if (ld_alpha is not None or wpo) and (group is not None or _tp_group(model) is not None and wpo):
+        raise ValueError("ld_alpha and use_weighting need whole sequences (ld_alpha: not under context "
+                         "parallelism; use_weighting: neither under tensor parallelism)")
+    mask = response_mask(batch)
+    if wpo:
+        labels, shift = batch["labels"], shifted(batch)
+
+        def head(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            tok = fused_linear_logps(h, w, labels, shift=shift, chunk_size=CHUNK)
+            with torch.no_grad():  # log sum_v p(v)^2 = logsumexp(2 z) - 2 logsumexp(z)
+                flat = h.reshape(-1, h.shape[-1])
+                lss = torch.cat([_log_sum_sq(flat[j:j + CHUNK] @ w.T) for j in range(0, flat.shape[0], CHUNK)])
+            return tok, lss.view(h.shape[:-1])
+
+        per_token, lss = _forward(model, batch, head)
+    else:
+        per_token = token_logps(model, batch)
+    targets = mask.to(per_token.dtype)
+    if ld_alpha is not None:
+        sums = length_desensitized_logps(per_token, mask, batch["sequence_ids"], batch["num_pairs"], ld_alpha)
+    else:
+        sums = sequence_sums(per_token, batch["sequence_ids"], n_seq)
+    lengths = sequence_sums(targets, batch["sequence_ids"], n_seq)
     if group is not None:
         sums, lengths = sum_over_shards(sums, group), sum_over_shards(lengths, group)
+    if wpo:
+        aligned = sequence_sums((per_token.detach() - lss.to(per_token.dtype)) * targets, batch["sequence_ids"], n_seq)
+        return sums, lengths, wpo_weights(aligned, lengths)
     return sums, lengths
 
 
-def dpo_objective(beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+def _log_sum_sq(z: torch.Tensor) -> torch.Tensor:
+    z = z.float()
+    return torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1)
+
+
+def dpo_objective(beta: float, loss_type: str | Sequence[str] = "sigmoid", label_smoothing: float = 0.0,
                   simpo_gamma: float = 0.5, sft_weight: float = 0.0,
-                  reference: Callable[[dict[str, Any]], torch.Tensor] | None = None) -> Callable:
-    """DPO family over a collate_preference batch; chosen and rejected in one forward.
+                  reference: Callable[[dict[str, Any]], torch.Tensor] | None = None, ld_alpha: float | None = None,
+                  use_weighting: bool = False, **loss_kwargs: Any) -> Callable:
+    """The preference-loss family (core.preference.dpo_loss) over a collate_preference batch;
+    chosen and rejected in one forward. `loss_kwargs`: dpo_loss's further knobs (loss_weights,
+    f_divergence_type, ...); ld_alpha (LD-DPO) and use_weighting (WPO) act on the log-probs.
 
     reference(batch) -> (2N,) reference log-probs: precomputed ones read from the batch
-    (`batch["ref_logps"]`), or computed under `disable_adapter()` for LoRA policies."""
+    (`batch["ref_logps"]`, LD-DPO's when ld_alpha is set), or computed under `disable_adapter()`
+    for LoRA policies (by `live_reference`, which applies ld_alpha too).
+
+    KTO: a batch carrying `batch["kto_kl_batch"]` (a collate_preference batch of mismatched
+    pairs: each prompt with another pair's responses) gets its reference point z0 from them
+    (core.preference.kto_kl over the policy's and the reference's log-probs of all its sequences,
+    both no-grad; needs a live `reference`); otherwise dpo_loss's batch estimate."""
+    types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    reference_free = set(types) <= set(REFERENCE_FREE_LOSSES)
 
     def objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
         batch = cp_view(model, batch)
         n = batch["num_pairs"]
-        logps, lengths = pair_logps(model, batch)
+        logps, lengths, *weights = pair_logps(model, batch, ld_alpha, use_weighting)
         ref = None
-        if loss_type != "simpo":
+        if not reference_free:
             ref = batch["ref_logps"] if reference is None else reference(batch)
             ref = ref.to(logps.dtype)
+        z0 = _mismatched_kl(model, batch, reference, ld_alpha) if "kto_kl_batch" in batch else None
         out = dpo_loss(logps[:n], logps[n:], None if ref is None else ref[:n], None if ref is None else ref[n:],
-                       beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
+                       beta=beta, loss_type=types, label_smoothing=label_smoothing,
                        simpo_gamma=simpo_gamma, chosen_lengths=lengths[:n], rejected_lengths=lengths[n:],
-                       sft_weight=sft_weight)
+                       sft_weight=sft_weight, pair_weights=weights[0] if weights else None, kto_kl=z0,
+                       **loss_kwargs)
         metrics = {"rewards/chosen": float(out.chosen_rewards.mean()),
                    "rewards/rejected": float(out.rejected_rewards.mean()),
                    "rewards/margin": float(out.margins.mean()),
                    "rewards/accuracy": float(out.accuracy)}
+        if weights:
+            metrics["rewards/wpo_weight"] = float(weights[0].mean())
+        if z0 is not None:
+            metrics["rewards/kto_kl"] = float(z0)
         # Under context parallelism every cp rank holds the whole loss: each takes 1/cp of it.
         shares = dist.get_world_size(_cp_group(model)) if _cp_group(model) is not None else 1
         return LossOutput(out.losses.sum() / shares, n / shares, metrics)
 
     return objective
+
+
+@torch.no_grad()
+def _mismatched_kl(model: nn.Module, batch: dict[str, Any], reference: Callable | None,
+                   ld_alpha: float | None) -> torch.Tensor:
+    """KTO's z0 from the batch's mismatched pairs (`batch["kto_kl_batch"]`), policy and reference."""
+    if reference is None:
+        raise ValueError("KTO's mismatched-pair KL estimate needs a live reference, not precomputed log-probs")
+    device = batch["input_ids"].device
+    kl_batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch["kto_kl_batch"].items()}
+    return kto_kl(pair_logps(model, kl_batch, ld_alpha)[0], reference(kl_batch))
 
 
 def distill_objective(teacher: nn.Module, kind: str = "forward_kl", temperature: float = 1.0,

@@ -17,10 +17,10 @@ import re
 from typing import Any
 
 ACRONYMS = {w.lower(): w for w in (
-    "SFT", "DPO", "KD", "GKD", "LoRA", "QLoRA", "rsLoRA", "DoRA", "MLflow", "FSDP", "HSDP", "DDP", "TP", "PP",
+    "SFT", "DPO", "GRPO", "DAPO", "KD", "GKD", "LoRA", "QLoRA", "rsLoRA", "DoRA", "MLflow", "FSDP", "HSDP", "DDP", "TP", "PP",
     "CP", "EP", "DP", "KV", "NF4", "FP4", "FP8", "BF16", "GPU", "GPUs", "CPU", "CPUs", "URI", "URL", "ID", "IDs",
     "LR", "HF", "KL", "JSD", "RPO", "SimPO", "IPO", "API", "JSON", "YAML", "IANA", "MoE", "RoPE", "EMA", "PEFT",
-    "NCCL", "CUDA", "SSH", "DAG", "UI", "I/O", "TTL")}
+    "NCCL", "CUDA", "SSH", "DAG", "UI", "I/O", "TTL", "KTO")}
 ACRONYMS.update({"mlflow": "MLflow", "rdzv": "rendezvous", "nproc": "processes", "num": "number of"})
 
 # Keys whose words say too little on their own: the title in full, the key after it.
@@ -42,6 +42,11 @@ SPELLED_OUT = {
     "top_k": "Top-k",
     "top_p": "Top-p",
     "pass_k": "pass@k",
+    "ld_alpha": "Length-desensitized DPO alpha (ld_alpha)",
+    "use_weighting": "WPO weighting (use_weighting)",
+    "f_divergence_type": "f-divergence (f_divergence_type)",
+    "f_alpha_divergence_coef": "f-divergence alpha (f_alpha_divergence_coef)",
+    "discopop_tau": "DiscoPOP tau",
 }
 _UNITS = {"s": "(s)", "ms": "(ms)", "mb": "(MB)", "gb": "(GB)"}
 

@@ -1,13 +1,14 @@
 """The `posttrain` command line.
 
     posttrain run CONFIG.yaml [--set a.b=c ...]     the whole pipeline once (--dry-run: the plan only)
-    posttrain stage NAME CONFIG.yaml [--set ...]    one stage (data_prep, sft, distill, dpo, evaluate)
+    posttrain stage NAME CONFIG.yaml [--set ...]    one stage (data_prep, sft, distill, dpo, grpo, evaluate)
     posttrain serve [CONFIG.yaml]                   Prefect deployments: on demand + cron retraining
     posttrain ui                                    prefect server + mlflow server on 127.0.0.1
     posttrain demo                                  the embedded default pipeline, end to end
-    posttrain bench sft|kernels|adapters|all        benchmarks, JSON out
+    posttrain bench sft|kernels|adapters|weight_sync|generate|online|all   benchmarks, JSON out
     posttrain config [CONFIG.yaml] [--set ...]      the resolved DAG and what is cached (--json, --convert OLD)
     posttrain generate MODEL "prompt" ...           sample from a preset, HF dir or stage output
+    posttrain serve-model MODEL [--adapters a=DIR]  OpenAI-compatible server on 127.0.0.1 (docs/serving.md)
 """
 
 from __future__ import annotations
@@ -130,10 +131,12 @@ def cmd_ui(args) -> int:
 def cmd_bench(args) -> int:
     import subprocess
 
-    which = ["sft", "kernels", "adapters"] if args.what == "all" else [args.what]
+    modules = {"sft": "benchmarks.sft", "kernels": "benchmarks.kernels", "adapters": "benchmarks.adapters",
+               "weight_sync": "benchmarks.weight_sync", "generate": "benchmarks.generate", "online": "benchmarks.online"}
+    which = list(modules) if args.what == "all" else [args.what]
     rc = 0
     for w in which:
-        module = {"sft": "benchmarks.sft", "kernels": "benchmarks.kernels", "adapters": "benchmarks.adapters"}[w]
+        module = modules[w]
         rc |= subprocess.call([sys.executable, "-m", module, *args.extra])
     return rc
 
@@ -177,6 +180,54 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve_model(args) -> int:
+    import os
+
+    import torch
+
+    from core.model.config import ModelConfig
+    from registry.hf import CheckpointError
+    from stages.common import StageError, load_model, load_tokenizer, resolve_model_dir
+    from stages.serving.server import EngineSettings, load_adapters, make_state, parse_adapters, serve
+
+    try:
+        model_ref = args.model
+        if model_ref.startswith("models:/"):  # a registered MLflow model, fetched into a local cache
+            from core.tracking.config import default_tracking_uri
+            from registry.mlflow_registry import fetch_registered
+
+            try:
+                local, version = fetch_registered(args.tracking_uri or default_tracking_uri(), model_ref,
+                                                  Path(args.registry_cache))
+            except RuntimeError as e:
+                raise StageError(str(e)) from None
+            print(f"serve-model: {model_ref} is {version} at {local}", file=sys.stderr)
+            model_ref = str(local)
+        is_preset = resolve_model_dir(model_ref)[0] is None
+        adapters = parse_adapters(args.adapters)
+        model, _ = load_model(ModelConfig(name_or_path=model_ref), torch.device(args.device))
+        if args.tokenizer is None and is_preset:
+            from flows.byte_tokenizer import byte_tokenizer
+
+            try:
+                tok = byte_tokenizer(model.args.vocab_size)
+            except ValueError as e:
+                raise StageError(f"preset {args.model!r}: {e}; pass --tokenizer DIR") from None
+        else:
+            tok = load_tokenizer(args.tokenizer, model_ref)
+        names = load_adapters(model, adapters)
+        api_key = args.api_key or os.environ.get("POSTTRAIN_API_KEY") or None
+        state = make_state(model, tok, args.model, names, api_key=api_key, max_queue=args.max_queue,
+                           engine=EngineSettings(max_num_seqs=args.max_num_seqs))
+    except (StageError, CheckpointError, ValueError) as e:
+        print(f"serve-model: {e}", file=sys.stderr)
+        return 2
+    if api_key is None:
+        print("serve-model: no --api-key / POSTTRAIN_API_KEY: every route is open", file=sys.stderr)
+    serve(state, host=args.host, port=args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("stage", help="run one stage under its launcher")
-    p.add_argument("name", help="data_prep, sft, distill, dpo or evaluate")
+    p.add_argument("name", help="data_prep, sft, distill, dpo, grpo or evaluate")
     _add_config_args(p, required=False)
     p.set_defaults(func=cmd_stage)
 
@@ -208,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="benchmarks (JSON on stdout)")
-    p.add_argument("what", choices=["sft", "kernels", "adapters", "all"])
+    p.add_argument("what", choices=["sft", "kernels", "adapters", "weight_sync", "generate", "online", "all"])
     p.add_argument("extra", nargs=argparse.REMAINDER, help="passed to the benchmark script")
     p.set_defaults(func=cmd_bench)
 
@@ -227,6 +278,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve-model", help="an OpenAI-compatible HTTP server for a model (docs/serving.md)")
+    p.add_argument("model", help="preset name, HF checkpoint dir, stage output dir or models:/name@alias")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--adapters", default=None, metavar="NAME=DIR,...",
+                   help="PEFT LoRA adapters loaded onto the base; a request's `model` names one")
+    p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' (env POSTTRAIN_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting + running; beyond: HTTP 429")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences the engine runs at once")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer dir (default: the model's; for a preset, a built-in byte-level ChatML one)")
+    p.add_argument("--device", default="cpu", help="torch device for the model (cpu, cuda, cuda:1)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI for models:/ references")
+    p.add_argument("--registry-cache", default="runs/.registry", help="where models:/ references are downloaded")
+    p.set_defaults(func=cmd_serve_model)
     return parser
 
 

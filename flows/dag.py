@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from flows.config import PipelineConfig
 
 Role = Literal["model", "teacher", "judge", "evaluated", "data"]
-TRAIN_KINDS = ("sft", "distill", "dpo")
+TRAIN_KINDS = ("sft", "distill", "dpo", "grpo")
 MAX_MEMBERS = 1000  # of one sweep: a grid grows as the product of its value counts
 
 
@@ -100,7 +100,7 @@ def _model_refs(cfg: Any) -> list[tuple[str, str, Role]]:
         out.append(("model", cfg.model.name_or_path, "model"))
     if kind == "distill":
         out.append(("teacher", cfg.teacher.name_or_path, "teacher"))
-    if kind == "dpo" and cfg.judge is not None:
+    if kind in ("dpo", "grpo") and cfg.judge is not None:
         out.append(("judge", cfg.judge.name_or_path, "judge"))
     if kind == "evaluate":
         out.extend((f"models[{i}]", m, "evaluated") for i, m in enumerate(cfg.models))

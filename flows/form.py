@@ -167,7 +167,7 @@ def form_schema(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 _KIND_TITLES = {"data_prep": "data prep", "sft": "SFT", "distill": "distillation", "dpo": "DPO",
-                "evaluate": "evaluation"}
+                "grpo": "GRPO", "evaluate": "evaluation"}
 
 
 def _kind_title(kind: str) -> str:
@@ -197,7 +197,7 @@ def node_rows(cfg: PipelineConfig) -> list[dict[str, str]]:
             data = ", ".join(n.sources) if n.sources else f"synthetic ({n.synthetic_size} examples)"
         else:
             data = ", ".join(n.data.sources)
-        if kind in ("sft", "distill", "dpo"):
+        if kind in ("sft", "distill", "dpo", "grpo"):
             model = n.model.name_or_path + (f" (teacher: {n.teacher.name_or_path})" if kind == "distill" else "")
             steps = " / ".join(x for x in (f"{n.max_steps} steps" if n.max_steps else None,
                                            f"{n.epochs} epochs") if x)

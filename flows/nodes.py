@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, ValidationError
 
 from core.config import ConfigModel
-from stages.config import DataPrepConfig, DistillConfig, DPOConfig, EvalConfig, SFTConfig, StageConfig
+from stages.config import DataPrepConfig, DistillConfig, DPOConfig, EvalConfig, GRPOConfig, SFTConfig, StageConfig
 
 NODE_NAME = r"^[A-Za-z][A-Za-z0-9_-]*$"
 _NODE_FIELDS = ("kind", "sweep", "rounds")
@@ -37,13 +37,19 @@ class DPONode(DPOConfig, _NodeOptions):
                                                      "on-policy, sampling with) round k-1's policy.")
 
 
+class GRPONode(GRPOConfig, _NodeOptions):
+    kind: Literal["grpo"] = Field("grpo", description="Reinforcement learning on the policy's own samples, rewarded "
+                                                      "by a verifier (GRPO).")
+
+
 class EvalNode(EvalConfig, _NodeOptions):
     kind: Literal["evaluate"] = Field("evaluate", description="Evaluate models side by side (and pick the best).")
 
 
 NODE_CLASSES: dict[str, type[StageConfig]] = {
-    "data_prep": DataPrepNode, "sft": SFTNode, "distill": DistillNode, "dpo": DPONode, "evaluate": EvalNode}
-Node = Annotated[Union[DataPrepNode, SFTNode, DistillNode, DPONode, EvalNode], Field(discriminator="kind")]
+    "data_prep": DataPrepNode, "sft": SFTNode, "distill": DistillNode, "dpo": DPONode, "grpo": GRPONode,
+    "evaluate": EvalNode}
+Node = Annotated[Union[DataPrepNode, SFTNode, DistillNode, DPONode, GRPONode, EvalNode], Field(discriminator="kind")]
 
 
 def stage_spec(node: StageConfig) -> StageConfig:

@@ -32,7 +32,7 @@ def loss_curves(cfg, results: dict[str, Any]):
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
-    runs = {n: r.mlflow_run_id for n, r in results.items() if r.mlflow_run_id and r.kind in ("sft", "distill", "dpo")}
+    runs = {n: r.mlflow_run_id for n, r in results.items() if r.mlflow_run_id and r.kind in ("sft", "distill", "dpo", "grpo")}
     panels = []
     for title, keys in CURVES:
         series = [(f"{name} ({key})" if len(keys) > 1 else name, *_metric_history(client, run_id, key))
@@ -81,7 +81,7 @@ def stage_table(results: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per node: before -> after of the metric its kind is meant to move."""
     rows = []
     keys = {"sft": ("val/loss_initial", "val/loss"), "distill": ("val/kl_initial", "val/kl"),
-            "dpo": ("val/accuracy_initial", "val/accuracy")}
+            "dpo": ("val/accuracy_initial", "val/accuracy"), "grpo": ("val/reward_initial", "val/reward")}
     for name, r in results.items():
         m = r.metrics
         if r.kind in keys:

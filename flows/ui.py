@@ -68,7 +68,20 @@ def start_servers(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port
     return procs
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def stop_servers(procs, grace: float = 10.0) -> None:
+    """SIGTERM each server's process group; after `grace` seconds SIGKILL what is left of it. A
+    leader that exits can leave members behind (mlflow's gunicorn workers, Prefect's services),
+    so the wait is for the whole group, not the leader alone."""
     for _, proc, _ in procs:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -77,8 +90,15 @@ def stop_servers(procs, grace: float = 10.0) -> None:
         try:
             proc.wait(max(deadline - time.time(), 0.1))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            pass
+        while _group_alive(proc.pid) and time.time() < deadline:
+            time.sleep(0.1)
+        if _group_alive(proc.pid):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
 
 
 def run_ui(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port: int = 5000,

@@ -13,5 +13,6 @@ from kernels.rmsnorm import rms_norm
 from kernels.rope import apply_rope
 from kernels.swiglu import swiglu
 from kernels.flash_attention import flash_attn_varlen
+from kernels.paged_attention import paged_decode_attention
 from kernels.fused_linear_ce import fused_linear_cross_entropy
 from kernels.fused_linear_kl import fused_linear_distill, fused_linear_logps

@@ -13,7 +13,8 @@ load_pretrained's messages. Values are load_pretrained's bit for bit (the same c
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -25,34 +26,54 @@ from core.parallel.materialize import local_part
 from registry.hf import ADAPTERS, CheckpointError, _safetensors_files
 
 
-def load_sharded(path: str | Path, model: nn.Module, dtype: torch.dtype) -> dict[str, int]:
+@contextmanager
+def open_checkpoint(path: str | Path) -> Iterator[dict]:
+    """{HF tensor name: its open, memory-mapped safetensors file} of the checkpoint directory."""
+    with ExitStack() as stack:
+        files = {}
+        for file in _safetensors_files(Path(path)):
+            try:
+                f = stack.enter_context(safe_open(str(file), framework="pt"))
+            except SafetensorError as e:
+                raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from None
+            files.update(dict.fromkeys(f.keys(), f))
+        yield files
+
+
+def read_whole(path: str | Path, files: dict, family: str, key: str, like: torch.Tensor, dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """Our whole tensor `key` of a `family` model (shaped like `like`, e.g. a meta parameter)
+    from the open checkpoint `files` (open_checkpoint), cast to `dtype` on `device`: one weight
+    at a time (QLoRA quantizes each as it is read: stages.common.load_quantized)."""
+    names, stacked = _sources(Path(path), key, like, ADAPTERS[family], files)
+    t = torch.stack([files[n].get_tensor(n) for n in names]) if stacked else files[names[0]].get_tensor(names[0])
+    return t.to(device=device, dtype=dtype)
+
+
+def load_sharded(path: str | Path, model: nn.Module, dtype: torch.dtype,
+                 loaded: frozenset[str] = frozenset()) -> dict[str, int]:
     """Fill this rank's part of every checkpoint weight of `model` (a materialized
     core.model.Transformer, any layout) from the HF checkpoint directory `path`, cast to
     `dtype`. Returns the bytes read per HF tensor name (in the file's dtype): the loader's own
-    accounting, for logs and tests. LoRA adapters and the MoE expert bias are not in a checkpoint."""
+    accounting, for logs and tests. LoRA adapters and the MoE expert bias are not in a checkpoint;
+    `loaded`: our names of weights already filled (an NF4 base quantized as it was read)."""
     path = Path(path)
     args = model.args
     adapter = ADAPTERS[args.family]
     adapters = {id(p) for p in lora_parameters(model)}
     # A tied head is the embedding, except on a pipeline's last stage, which holds a copy of it alone.
     head_copy = args.tie_embeddings and getattr(model, "embed", None) is None
+    skip = tuple(f"{k}." for k in loaded)  # an NF4 weight's own state (its codes and scales)
     expected = {k: t for k, t in model.state_dict(keep_vars=True).items()
-                if id(t) not in adapters and not k.endswith("router.expert_bias")
+                if id(t) not in adapters and not k.endswith("router.expert_bias") and not k.startswith(skip)
                 and not (k == "lm_head.weight" and args.tie_embeddings and not head_copy)}
     others = {n for n, _ in getattr(model, "whole_parameters", ())}  # a pipeline stage's part: the rest's names
     read: dict[str, int] = {}
-    with ExitStack() as stack:
-        files = {}  # HF name -> its open (memory-mapped) file
-        for file in _safetensors_files(path):
-            try:
-                f = stack.enter_context(safe_open(str(file), framework="pt"))
-            except SafetensorError as e:
-                raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from None
-            files.update(dict.fromkeys(f.keys(), f))
+    with open_checkpoint(path) as files:
         for name in files:
             mapped = adapter.to_ours(name)
-            if mapped is not None and mapped[0] in others and mapped[0] not in expected:
-                continue  # another pipeline stage's weight
+            if mapped is not None and (mapped[0] in loaded or mapped[0] in others and mapped[0] not in expected):
+                continue  # already read, or another pipeline stage's weight
             if mapped is None or mapped[0] not in expected:
                 if name == "lm_head.weight" and args.tie_embeddings:
                     continue  # some tied checkpoints store the head anyway

@@ -55,12 +55,17 @@ def routed(objective: Objective, names: list[str]) -> Objective:
         if "adapter_ids" not in batch:
             raise ValueError(f"training adapters {names}: the batch carries no adapter_ids (its documents were "
                              "read without routing: core.data.routing)")
-        batch = cp_view(model, batch)  # under context parallelism: this rank's share, adapter ids cut alike
-        ids = batch["adapter_ids"]
-        lm_head = getattr(model, "lm_head", None)
-        if getattr(lm_head, "input_mode", None) == "sequence":  # core.objectives pads the tokens for tp
-            ids = F.pad(ids, (0, -ids.shape[-1] % dist.get_world_size(lm_head.tp_group)), value=-1)
-        with route_adapters(model, ids, names):
+        pipe = getattr(model, "pipeline", None)
+        if pipe is not None:  # the pipelined objective lays the ids out as its rows, each stage routes its own
+            route = pipe.routing(names)
+        else:
+            batch = cp_view(model, batch)  # under context parallelism: this rank's share, adapter ids cut alike
+            ids = batch["adapter_ids"]
+            lm_head = getattr(model, "lm_head", None)
+            if getattr(lm_head, "input_mode", None) == "sequence":  # core.objectives pads the tokens for tp
+                ids = F.pad(ids, (0, -ids.shape[-1] % dist.get_world_size(lm_head.tp_group)), value=-1)
+            route = route_adapters(model, ids, names)
+        with route:
             out = objective(model, batch)
         if "num_pairs" in batch:
             per = batch["sequence_adapters"][: batch["num_pairs"]]

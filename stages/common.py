@@ -157,8 +157,61 @@ def load_model(cfg: ModelConfig, device: torch.device, seed: int = 0,
 def load_on_meta(lora: LoRAConfig) -> bool:
     """Whether a policy with these adapters can be built on the meta device and get its weights
     after parallelizing: not when the adapters' initial values read the base weights (QLoRA
-    quantizes them, DoRA takes their norms, PiSSA their SVD); those load whole, as before."""
+    quantizes them, DoRA takes their norms, PiSSA their SVD); those load whole (QLoRA from a
+    checkpoint: quantized as read, `load_quantized`)."""
     return not lora.enabled or not (lora.quantize_base or lora.use_dora or lora.init_lora_weights == "pissa")
+
+
+def streams_quantized(model_cfg: ModelConfig, lora: LoRAConfig) -> bool:
+    """QLoRA on a checkpoint (not a preset, whose random init draws every weight in one order):
+    loaded by `load_quantized`, the dense base never whole in memory."""
+    return bool(lora.enabled and lora.quantize_base and lora.init_lora_weights != "pissa"
+                and resolve_model_dir(model_cfg.name_or_path)[0] is not None and not model_cfg.overrides)
+
+
+def load_quantized(model_cfg: ModelConfig, lora: LoRAConfig, device: torch.device) -> tuple[Transformer, dict | None]:
+    """The QLoRA policy from a checkpoint, the same values as load_model + apply_lora give, with
+    the dense base never whole in memory: built on the meta device, each targeted linear layer's
+    weight read (memory-mapped) just before it is quantized to NF4 and dropped, then the rest
+    (embedding, norms, head, biases, routers) allocated and read. The peak is the NF4 base plus
+    the dense rest plus one dense weight, not the dense model (docs/scaling.md)."""
+    from core.lora import apply_lora
+    from registry.hf import model_on_meta
+    from registry.hf_sharded import load_sharded, open_checkpoint, read_whole
+
+    model_dir, manifest = resolve_model_dir(model_cfg.name_or_path)
+    dtype = DTYPES[model_cfg.dtype]
+    model = model_on_meta(model_dir).to(dtype)
+    family = model.args.family
+    quantized: list[str] = []
+    with open_checkpoint(model_dir) as files:
+        def fill(name: str, linear: torch.nn.Linear) -> None:
+            w = read_whole(model_dir, files, family, f"{name}.weight", linear.weight, dtype, device)
+            linear.weight = torch.nn.Parameter(w, requires_grad=False)
+            quantized.append(f"{name}.weight")
+
+        apply_lora(model, lora, base_weight=fill)
+    _allocate_meta(model, device)
+    load_sharded(model_dir, model, dtype, loaded=frozenset(quantized))
+    return model, manifest
+
+
+def _allocate_meta(model: Transformer, device: torch.device) -> None:
+    """Give every tensor of `model` still on the meta device storage on `device` (values
+    undefined), the embedding shared with a tied head again, and the non-persistent buffers
+    computed (RoPE, MoE state)."""
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if p.is_meta:
+                setattr(mod, name, torch.nn.Parameter(torch.empty_like(p, device=device),
+                                                      requires_grad=p.requires_grad))
+        for name, b in list(mod.named_buffers(recurse=False)):
+            if b.is_meta:
+                mod.register_buffer(name, torch.empty_like(b, device=device),
+                                    persistent=name not in mod._non_persistent_buffers_set)
+    if model.args.tie_embeddings:
+        model.tie_weights()
+    model.init_buffers()
 
 
 def materialize_model(model: Transformer, cfg: ModelConfig, device: torch.device, seed: int = 0) -> int:

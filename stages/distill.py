@@ -21,6 +21,7 @@ share in on_policy mode (time/student_sampling_frac).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -78,13 +79,18 @@ class OnPolicyMix:
     (`prompts[i]`: document i's). The draw uses Python's `random` seeded per step, so a resumed run
     draws the same mix."""
 
-    def __init__(self, loader, session: Session, prompts: list[list[int]]):
+    def __init__(self, loader, session: Session, prompts: list[list[int]], generators=None):
         self.loader, self.session, self.prompts = loader, session, prompts
         self.student, self.tok, self.cfg, self.device = session.model, session.tok, session.cfg, session.dist.device
         self.samples = self.truncated = 0
+        # generation.mode disaggregated (stages.generators.Generators): the workers sample, with the
+        # weights of the step being trained; the training loop draws micro-batches in lockstep with
+        # its steps, so batch b is trained by the weights after step b // grad_accum (the version)
+        self.generators, self.drawn = generators, 0
 
     def __iter__(self):
         for batch in self.loader.loader:  # collated on CPU
+            self.drawn += 1
             draw = random.Random(f"{self.cfg.seed}:{self.loader.state_dict()}")
             if draw.random() < self.cfg.on_policy_ratio:
                 # the sampling seed, as the draw, from the step and this rank's data shard: the
@@ -98,10 +104,8 @@ class OnPolicyMix:
         prompts = [self.prompts[i] for i in batch["doc_indices"]]
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=1.0,
                                 stop_token_ids=tuple(self.tok.eos_ids), seed=seed)
-        with sampling(self.student, self.cfg.parallel), self.session.phase("student_sampling"):
-            # every rank samples at the same micro-step
-            gens = generate(self.student, prompts, params, pad_id=self.tok.pad_id or 0)
-        self.student.train()
+        with self.session.phase("student_sampling"):
+            gens = self._remote(prompts, params) if self.generators is not None else self._colocated(prompts, params)
         self.samples += len(gens)
         docs = [Document(p + g.tokens, [IGNORE_INDEX] * len(p) + g.tokens) if g.tokens else None
                 for p, g in zip(prompts, gens)]
@@ -115,6 +119,36 @@ class OnPolicyMix:
             dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
             docs = shared[0]
         return collate_padding_free(docs)
+
+    def _colocated(self, prompts: list[list[int]], params: SamplingParams) -> list:
+        with sampling(self.student, self.cfg.parallel):  # every rank samples at the same micro-step
+            if self.cfg.sampler == "engine":
+                from core.generation.engine import engine_generate
+
+                gens = engine_generate(self.student, prompts, params)
+            else:
+                gens = generate(self.student, prompts, params, pad_id=self.tok.pad_id or 0)
+        self.student.train()
+        return gens
+
+    def _remote(self, prompts: list[list[int]], params: SamplingParams) -> list:
+        """The workers sample every data shard's prompts (a tp or cp group's ranks share theirs);
+        each rank takes its shard's. Collective: the sync and the gather."""
+        from core.generation.remote import Request
+
+        d, g = self.session.dist, self.generators
+        version = (self.drawn - 1) // self.cfg.optim.grad_accum_steps
+        g.sync(version)
+        mine = (d.data_shard[0], prompts, params.seed)
+        every = [mine]
+        if d.world > 1:
+            every = [None] * d.world
+            dist.all_gather_object(every, mine)
+        shards = {shard: (ps, seed) for shard, ps, seed in reversed(every)}
+        order = sorted(shards)
+        g.submit(version, [Request(shards[k][0], {**dataclasses.asdict(params), "seed": shards[k][1]})
+                           for k in order])
+        return g.collect(version)[order.index(d.data_shard[0])][0]
 
     def _rows(self, batch: dict[str, Any], docs: list[Document | None]) -> dict[str, Any]:
         """The samples packed again into the pipeline's fixed shapes: at most pipeline_rows() rows
@@ -278,7 +312,12 @@ class Distill:
                 pipelined_topk_distill(pipe, topk.rows, cfg.pipeline_rows(), cfg.data.max_seq_len, d.mesh.group("pp"),
                                        *kd)
         elif cfg.mode == "on_policy":
-            train = OnPolicyMix(train, s, prompts)
+            generators = None
+            if cfg.generation.mode == "disaggregated":
+                from stages.generators import Generators
+
+                generators = Generators(s)
+            train = OnPolicyMix(train, s, prompts, generators)
 
         names = trained_adapters(cfg)
         if names:  # each document through its adapter (on_policy is refused with several)
@@ -298,13 +337,17 @@ class Distill:
         def summary() -> dict[str, float]:
             extra = {"on_policy/samples": train.samples, "on_policy/truncated": train.truncated} \
                 if isinstance(train, OnPolicyMix) else {}
+            if isinstance(train, OnPolicyMix) and train.generators is not None:
+                extra.update({f"on_policy/{k}": v for k, v in train.generators.stats.items()})
             if extra.get("on_policy/truncated"):
                 log.warning("distill: %d samples were cut to fit the pipeline's rows of max_seq_len=%d tokens; "
                             "data.packing=false (one document a row) leaves each sample its row",
                             extra["on_policy/truncated"], cfg.data.max_seq_len)
             return {**extra, **drop_metrics(stats)}
 
-        return Plan(train, objective, validate, inputs={"teacher": teacher_id}, summary=summary)
+        generators = train.generators if isinstance(train, OnPolicyMix) else None
+        return Plan(train, objective, validate, inputs={"teacher": teacher_id}, summary=summary,
+                    **({"close": generators.close} if generators is not None else {}))
 
 
 def run(cfg: DistillConfig) -> dict:

@@ -1,4 +1,5 @@
-"""Direct preference optimization (and IPO, hinge, robust, SimPO): offline pairs from the data
+"""Direct preference optimization and its family (IPO, hinge, robust, SimPO, ORPO, KTO on pairs, ...:
+docs/preference_losses.md): offline pairs from the data
 (data prep's output, or the user's preference files: prompt/chosen/rejected as messages or plain
 strings, or implicit-prompt chosen/rejected, in JSONL, Parquet or `datasets` directories, split by
 data.val_fraction where they name no split), or on-policy pairs the policy samples itself for the
@@ -22,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from stages.config import DPOConfig
 from core.data.encode import PreferencePair
+from core.data.packing import collate_preference
 from core.lora import disable_adapter
 from core.manifest import digest
 from core.objectives import dpo_objective, pair_logps
@@ -40,12 +42,11 @@ def reference_logps(model, pairs: list[PreferencePair], cfg: DPOConfig, d: Dist,
     """Reference log-probs of every pair's (chosen, rejected), (P, 2), computed once with the
     starting policy and cached under a digest of the pairs; all ranks compute all pairs so no
     gather is needed (cheap next to training: forward only)."""
-    key = digest([[p.prompt_ids, p.chosen_ids, p.rejected_ids] for p in pairs])[:16]
+    key = digest([[p.prompt_ids, p.chosen_ids, p.rejected_ids] for p in pairs]
+                 + ([] if cfg.ld_alpha is None else [["ld_alpha", cfg.ld_alpha]]))[:16]
     path = cache / f"ref_logps-{key}.safetensors"
     if path.exists():
         return load_file(str(path))["logps"]
-    from core.data.packing import collate_preference
-
     was = model.training
     model.eval()
     out = []
@@ -57,7 +58,7 @@ def reference_logps(model, pairs: list[PreferencePair], cfg: DPOConfig, d: Dist,
             logps = pipeline_pair_logps(pipe, batch, cfg.pipeline_rows(), cfg.data.max_seq_len,
                                         d.mesh.group("pp"))
         else:
-            logps, _ = pair_logps(model, batch)
+            logps, _ = pair_logps(model, batch, cfg.ld_alpha)
         n = batch["num_pairs"]
         out.append(torch.stack([logps[:n], logps[n:]], dim=1).float().cpu())
     model.train(was)
@@ -74,8 +75,6 @@ def reference_logps(model, pairs: list[PreferencePair], cfg: DPOConfig, d: Dist,
 @torch.no_grad()
 def reward_accuracy(model, pairs: list[PreferencePair], objective, cfg: DPOConfig, d: Dist, ref) -> dict[str, float]:
     """Mean DPO metrics (implicit-reward accuracy, margin) over held-out pairs."""
-    from core.data.packing import collate_preference
-
     sums: dict[str, float] = {}
     rank, world = d.data_shard
     mine = list(range(len(pairs)))[rank::world]
@@ -97,6 +96,14 @@ def reward_accuracy(model, pairs: list[PreferencePair], objective, cfg: DPOConfi
     return {f"val/{k.split('/', 1)[1]}": totals[i] / max(totals[-1], 1.0) for i, k in enumerate(keys)}
 
 
+def mismatched_pairs(pairs: list[PreferencePair]) -> list[PreferencePair]:
+    """Each pair's prompt with the previous pair's chosen and rejected responses (the first takes
+    the last's): the mismatched (x, y') KTO estimates its reference point from."""
+    prev = pairs[-1:] + pairs[:-1]
+    return [PreferencePair(p.prompt_ids, q.chosen_ids, q.chosen_labels, q.rejected_ids, q.rejected_labels)
+            for p, q in zip(pairs, prev)]
+
+
 def reference_model(cfg: DPOConfig, d: Dist):
     """reference='model': a frozen copy of the starting policy, loaded again from cfg.model and
     laid out as the policy (sharded for inference under FSDP, split under TP / CP, so both score
@@ -104,16 +111,16 @@ def reference_model(cfg: DPOConfig, d: Dist):
     return load_frozen(cfg.model, cfg.parallel, d, cfg.seed, what="reference")[0]
 
 
-def live_reference(policy, ref_model=None):
+def live_reference(policy, ref_model=None, ld_alpha: float | None = None):
     """Reference log-probs computed with every batch: by `ref_model`, or by the policy with its
-    adapters disabled (the LoRA base)."""
+    adapters disabled (the LoRA base); LD-DPO's with `ld_alpha`."""
 
     @torch.no_grad()
     def reference(batch):
         if ref_model is not None:
-            return pair_logps(ref_model, batch)[0]
+            return pair_logps(ref_model, batch, ld_alpha)[0]
         with disable_adapter(policy):
-            return pair_logps(policy, batch)[0]
+            return pair_logps(policy, batch, ld_alpha)[0]
 
     return reference
 
@@ -137,26 +144,34 @@ class DPO:
                 raise StageError(f"dpo: no training pairs in {', '.join(map(str, cfg.data.sources))}")
 
         ref_train = ref_val = reference = ref_model = None
-        if cfg.loss_type != "simpo" and cfg.reference == "precomputed":
+        if not cfg.reference_free and cfg.reference == "precomputed":
             ref_train = reference_logps(model, pairs, cfg, d, s.out / "reference")
             ref_val = reference_logps(model, val_pairs, cfg, d, s.out / "reference") if val_pairs else None
-        elif cfg.loss_type != "simpo":  # simpo is reference-free
+        elif not cfg.reference_free:  # simpo, orpo, sft need no reference
             ref_model = reference_model(cfg, d) if cfg.reference == "model" else None
-            reference = live_reference(model, ref_model)
+            reference = live_reference(model, ref_model, cfg.ld_alpha)
+
+        mismatched = cfg.kto_kl_estimate == "mismatched"
+        if mismatched and trained_adapters(cfg):
+            raise StageError("dpo: kto_kl_estimate='mismatched' is not wired for several adapters at once")
 
         def attach_ref(units: list[int], batch: dict) -> None:
             if ref_train is not None:
                 batch["ref_logps"] = torch.cat([ref_train[units, 0], ref_train[units, 1]])
+            if mismatched:  # KTO's reference point: each prompt with the previous pair's responses (as TRL)
+                batch["kto_kl_batch"] = collate_preference(mismatched_pairs([pairs[u] for u in units]))
 
-        objective = dpo_objective(cfg.beta, cfg.loss_type, cfg.label_smoothing, cfg.simpo_gamma, cfg.sft_weight,
-                                  reference=reference)
+        objective = dpo_objective(cfg.beta, reference=reference, ld_alpha=cfg.ld_alpha,
+                                  use_weighting=cfg.use_weighting, **cfg.loss_kwargs())
         pipe = pipeline_of(d)
         if pipe is not None:  # the schedule runs each micro-batch's pairs as microbatches
-            ref_mode = "none" if cfg.loss_type == "simpo" else "batch" if ref_train is not None else \
+            ref_mode = "none" if cfg.reference_free else "batch" if ref_train is not None else \
                 "model" if ref_model is not None else "disable_adapter"
+            loss_kwargs = cfg.loss_kwargs()
             objective = pipelined_dpo(pipe, cfg.pipeline_rows(), cfg.data.max_seq_len, d.mesh.group("pp"),
-                                      cfg.beta, cfg.loss_type, cfg.label_smoothing, cfg.simpo_gamma, cfg.sft_weight,
-                                      reference=ref_mode,
+                                      cfg.beta, loss_kwargs.pop("loss_type"), loss_kwargs.pop("label_smoothing"),
+                                      loss_kwargs.pop("simpo_gamma"), loss_kwargs.pop("sft_weight"),
+                                      reference=ref_mode, loss_kwargs=loss_kwargs,
                                       reference_pipe=ref_model.pipeline if ref_model is not None else None)
         if trained_adapters(cfg):  # each pair through its adapter; the reference stays the base
             objective = routed(objective, trained_adapters(cfg))

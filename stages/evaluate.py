@@ -22,6 +22,7 @@ from typing import Any
 
 from core.data.rows import prompt_text
 from core.model.config import ModelConfig
+from core.parallel.config import ParallelConfig
 from stages.common import (Dist, close_distributed, find_tokenizer_dir, load_model, load_tokenizer,
                            materialize_model, parse_spec, progress, stage_run, start_distributed)
 from stages.config import EvalConfig
@@ -76,16 +77,17 @@ def load_split(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
     from core.parallel import ParallelDims, ParallelMesh, parallelize
 
     model, _ = load_model(model_cfg, d.device, cfg.seed, meta=True)
-    # ep spreads an MoE's experts; a dense model evaluated beside it is just sharded
-    layout = cfg.parallel if model.args.moe is not None else cfg.parallel.model_copy(update={"ep": 1})
     try:
+        whole_rows = rows_whole(cfg.parallel, d.world)
+        # ep spreads an MoE's experts; a dense model evaluated beside it is just sharded
+        layout = whole_rows if model.args.moe is not None else whole_rows.model_copy(update={"ep": 1})
         dims = ParallelDims.from_config(layout, d.world, model.args)
         if d.mesh is None:  # one mesh for every model: the layout as given
-            d.mesh = ParallelMesh(ParallelDims.from_config(cfg.parallel, d.world), d.device.type)
+            d.mesh = ParallelMesh(ParallelDims.from_config(whole_rows, d.world), d.device.type)
     except ValueError as e:
         raise fail(f"parallel: {e} (model {model_cfg.name_or_path!r})") from None
     fsdp = sharded(cfg) and dims.fsdp
-    parallelize(model.requires_grad_(False), cfg.parallel, d.mesh, data_parallel=fsdp)
+    parallelize(model.requires_grad_(False), whole_rows, d.mesh, data_parallel=fsdp)
     if fsdp:  # inference: each block gathered for its forward only; the root (embedding, head) kept
         model.set_reshard_after_forward(True)
         model.set_reshard_after_forward(False, recurse=False)
@@ -94,6 +96,18 @@ def load_split(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
         log.info("evaluate: %s sharded over %s (fsdp=%s), the ranks in lockstep", model_cfg.name_or_path, d.mesh, fsdp)
     materialize_model(model, model_cfg, d.device, cfg.seed)
     return model
+
+
+def rows_whole(p: ParallelConfig, world: int) -> ParallelConfig:
+    """The layout evaluation runs `p` as: cp ranks score whole rows (no ring attention: sampling
+    and padded scoring batches cannot be cut over a ring), so cp joins dp_shard, over which FSDP
+    shards the weights and ep borrows ranks just as over dp_shard x cp."""
+    if p.cp == 1:
+        return p
+    from core.parallel import ParallelDims
+
+    dims = ParallelDims.from_config(p, world)
+    return p.model_copy(update={"dp_shard": dims.dp_shard * dims.cp, "cp": 1})
 
 
 def load_staged(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):

@@ -37,6 +37,8 @@ all before sampling. Each prompt's samples, rewards and choice go to <output>/on
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import logging
 import random
@@ -94,17 +96,17 @@ def verifier_row(pr: PromptRow) -> dict[str, Any]:
 class Reward:
     """Scores completions of prompts: by the judge model, or by the verifier `cfg.reward`."""
 
-    def __init__(self, cfg, tok, policy, device: torch.device):
-        self.cfg, self.device, self.judge = cfg, device, None
+    def __init__(self, cfg, tok, policy, device: torch.device, stage: str = "dpo"):
+        self.cfg, self.device, self.judge, self.stage = cfg, device, None, stage  # stage: the errors' prefix
         self.builtin = cfg.judge is None and cfg.reward in BUILTIN
         if cfg.judge is not None:
-            self.judge = load_judge(cfg, tok, policy, device)
+            self.judge = load_judge(cfg, tok, policy, device, stage)
             self.name = f"judge {cfg.judge.name_or_path!r}"
             return
         try:
             self.verifier = load_verifier(cfg.reward, cfg.reference_column)
         except VerifierError as e:
-            raise StageError(f"dpo: reward: {e}") from None
+            raise StageError(f"{stage}: reward: {e}") from None
         self.name = f"verifier {cfg.reward!r}"
 
     def scores(self, prompts: list[Prompt], completions: list[list[list[int]]],
@@ -121,20 +123,20 @@ class Reward:
         try:
             return self.verifier(prompt_text(p.row.prompt), text, dict(p.data))
         except VerifierError as e:
-            raise StageError(f"dpo: {p.row.where}: {e}") from None
+            raise StageError(f"{self.stage}: {p.row.where}: {e}") from None
         except Exception as e:  # the user's code: name the row and the entry point
-            raise StageError(f"dpo: {p.row.where}: verifier {self.cfg.reward!r} raised "
+            raise StageError(f"{self.stage}: {p.row.where}: verifier {self.cfg.reward!r} raised "
                              f"{type(e).__name__}: {e}") from e
 
 
-def load_judge(cfg, tok, policy, device: torch.device):
+def load_judge(cfg, tok, policy, device: torch.device, stage: str = "dpo"):
     """The judge model, frozen, checked to share the policy's vocabulary (size, and the tokens
     themselves where the judge carries a tokenizer)."""
     judge, _ = load_model(cfg.judge, device, cfg.seed)
     judge.requires_grad_(False).eval()
     name = cfg.judge.name_or_path
     if judge.args.vocab_size != policy.args.vocab_size:
-        raise StageError(f"dpo: judge {name!r} has a vocabulary of {judge.args.vocab_size} tokens, the policy "
+        raise StageError(f"{stage}: judge {name!r} has a vocabulary of {judge.args.vocab_size} tokens, the policy "
                          f"{policy.args.vocab_size}; the judge scores the policy's tokens, so it must share its "
                          "tokenizer")
     try:
@@ -143,7 +145,7 @@ def load_judge(cfg, tok, policy, device: torch.device):
         return judge  # a preset judge: no tokenizer of its own to compare
     theirs = load_tokenizer(judge_dir).backend.get_vocab(with_added_tokens=True)
     if theirs != tok.backend.get_vocab(with_added_tokens=True):
-        raise StageError(f"dpo: judge {name!r} has a different tokenizer ({judge_dir}) from the policy's; the "
+        raise StageError(f"{stage}: judge {name!r} has a different tokenizer ({judge_dir}) from the policy's; the "
                          "judge scores the policy's tokens, so it must share its tokenizer")
     return judge
 
@@ -313,24 +315,45 @@ def choose(p: Prompt, cands: list[list[int]], texts: list[str], scores: list[flo
 
 
 @torch.no_grad()
-def sample_pairs(s, prompts: list[Prompt], reward: Reward, split: str
+def sample_pairs(s, prompts: list[Prompt], reward: Reward, split: str, generators=None
                  ) -> tuple[list[PreferencePair], list[dict[str, Any]]]:
-    """Pairs of `prompts`, identical on every rank (module doc), and one record per prompt."""
+    """Pairs of `prompts`, identical on every rank (module doc), and one record per prompt. With
+    `generators` (stages.generators.Generators, synced) the disaggregated workers sample every
+    chunk, with the seeds the trainer's ranks would have used, and the ranks score their chunks."""
     cfg, d, tok, model = s.cfg, s.dist, s.tok, s.model
     n = cfg.num_samples
     chunks = [prompts[i:i + CHUNK] for i in range(0, len(prompts), CHUNK)]
+
+    def params(k: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.gen_temperature,
+                              stop_token_ids=tuple(tok.eos_ids), seed=chunk_seed(cfg.seed, split, k))
+
+    remote = None
+    if generators is not None:
+        from core.generation.remote import Request
+
+        requests = [Request([p.ids for p in chunk], {**vars(params(k)), "stop_token_ids": list(tok.eos_ids)}, n=n)
+                    for k, chunk in enumerate(chunks)]
+        generators.submit(0, requests)
+        remote = [gens for gens, _ in generators.collect(0)]  # every rank: all chunks
     done: list[tuple[int, list]] = []
     failure: BaseException | None = None
     was = model.training
     model.eval()
     unit, units = sampling_unit(d)
-    with sampling(model, cfg.parallel):  # collective: every rank enters, then samples with its tp group
+    context = sampling(model, cfg.parallel) if remote is None else contextlib.nullcontext()
+    with context:  # collective: every rank enters, then samples with its tp group
         for k in range(unit, len(chunks), units):
             try:
                 chunk = chunks[k]
-                params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.gen_temperature,
-                                        stop_token_ids=tuple(tok.eos_ids), seed=chunk_seed(cfg.seed, split, k))
-                gens = generate(model, [p.ids for p in chunk for _ in range(n)], params, pad_id=tok.pad_id or 0)
+                if remote is not None:
+                    gens = remote[k]
+                elif cfg.sampler == "engine":  # the n samples of a prompt share its KV blocks
+                    from core.generation.engine import engine_generate
+
+                    gens = engine_generate(model, [p.ids for p in chunk], params(k), n=n)
+                else:
+                    gens = generate(model, [p.ids for p in chunk for _ in range(n)], params(k), pad_id=tok.pad_id or 0)
                 cands = [[g.tokens for g in gens[j * n:(j + 1) * n]] for j in range(len(chunk))]
                 texts = [[tok.decode(c, skip_special_tokens=True) for c in cs] for cs in cands]
                 scores = reward.scores(chunk, cands, texts)
@@ -340,6 +363,14 @@ def sample_pairs(s, prompts: list[Prompt], reward: Reward, split: str
                 failure = e
                 break
     model.train(was)
+    outcomes = gather_chunks(d, done, failure, "dpo: on-policy sampling")
+    return [p for p, _ in outcomes if p is not None], [rec for _, rec in outcomes]
+
+
+def gather_chunks(d, done: list[tuple[int, list]], failure: BaseException | None, what: str) -> list:
+    """Every rank's (chunk index, results) gathered, in chunk order, flattened: the same list on
+    every rank. A rank's failure is raised on every rank once all know (`what` failed on rank r),
+    so none waits in a collective for a rank that stopped. Collective."""
     parts = [(done, None if failure is None else f"{type(failure).__name__}: {failure}")]
     if d.world > 1:
         gathered: list[Any] = [None] * d.world
@@ -349,10 +380,9 @@ def sample_pairs(s, prompts: list[Prompt], reward: Reward, split: str
         raise failure
     for rank, (_, error) in enumerate(parts):
         if error is not None:
-            raise StageError(f"dpo: on-policy sampling failed on rank {rank}: {error}")
+            raise StageError(f"{what} failed on rank {rank}: {error}")
     by_chunk = {k: c for part, _ in parts for k, c in part}  # a tp group's ranks hold the same chunks
-    outcomes = [o for _, chunk_outcomes in sorted(by_chunk.items()) for o in chunk_outcomes]
-    return [p for p, _ in outcomes if p is not None], [rec for _, rec in outcomes]
+    return [o for _, results in sorted(by_chunk.items()) for o in results]
 
 
 def summarize(records: list[dict[str, Any]], prefix: str) -> dict[str, float]:
@@ -379,11 +409,24 @@ def on_policy_pairs(s) -> tuple[list[PreferencePair], list[PreferencePair], dict
     if cfg.max_steps:  # no more prompts than the steps can use: each gives at most one pair
         train = train[:cfg.max_steps * cfg.optim.grad_accum_steps * cfg.data.micro_batch_size * d.data_shard[1]]
     val = val[:len(train)]
-    pairs, records = sample_pairs(s, train, reward, "train")
+    generators = None
+    if cfg.generation.mode == "disaggregated":  # the workers live for the sampling only
+        from stages.generators import Generators
+
+        generators = Generators(s)
+    try:
+        if generators is not None:
+            generators.sync(0)
+        pairs, records = sample_pairs(s, train, reward, "train", generators)
+        vpairs, vrecords = sample_pairs(s, val, reward, "validation", generators) if val else ([], [])
+    finally:
+        if generators is not None:  # training starts while they exit
+            generators.close(wait=False)
     metrics = summarize(records, "on_policy/")
+    if generators is not None:
+        metrics.update({f"on_policy/{k}": v for k, v in generators.stats.items()})
     written = {"train": records}
     if val:
-        vpairs, vrecords = sample_pairs(s, val, reward, "validation")
         val_pairs = val_pairs + vpairs
         metrics.update(summarize(vrecords, "on_policy/val_"))
         written["validation"] = vrecords

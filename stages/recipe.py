@@ -40,7 +40,8 @@ from core.parallel.mesh import TorchrunEnv
 from core.parallel.data_parallel import apply_activation_checkpointing, apply_compile
 from core.reliability import Reliability
 from core.trainer import Objective, Trainer
-from stages.common import (Dist, StageError, close_distributed, load_model, load_on_meta, load_tokenizer,
+from stages.common import (Dist, StageError, close_distributed, load_model, load_on_meta, load_quantized,
+                           load_tokenizer, streams_quantized,
                            materialize_model, progress, stage_run, start_distributed)
 from stages.adapters import log_adapters, trained_adapters
 from stages.training import clear_checkpoints, export
@@ -76,6 +77,7 @@ class Plan:
     validate: Callable[[], dict[str, float]] = dict  # "val/*" metrics on held-out data
     inputs: dict[str, str] = field(default_factory=dict)  # manifest inputs (digests) beyond the model
     summary: Callable[[], dict[str, float]] = dict  # stage-specific final metrics
+    close: Callable[[], None] = lambda: None  # release what setup started (generator workers), on success or not
 
 
 class TrainingStage(Protocol):
@@ -91,8 +93,11 @@ def run_training(stage: TrainingStage, cfg: TrainStageConfig) -> dict:
             session = open_session(stage.name, cfg)
             session.run = run_
             plan = stage.setup(session)
-            last, before, seconds = train(session, plan)
-            manifest = finish(session, plan, last, before, seconds)
+            try:
+                last, before, seconds = train(session, plan)
+                manifest = finish(session, plan, last, before, seconds)
+            finally:
+                plan.close()
     finally:
         close_distributed()
     return manifest or {}
@@ -104,18 +109,23 @@ def open_session(name: str, cfg: TrainStageConfig) -> Session:
     """Join the process group, build the policy on the meta device (LoRA applied when enabled),
     check the tokenizer, apply cfg.parallel (checked against the world before the group is made,
     against the model once it is built), then give each rank its shards of the weights
-    (stages.common.materialize_model). QLoRA, DoRA and PiSSA load the whole model first instead."""
+    (stages.common.materialize_model). DoRA and PiSSA load the whole model first instead, and QLoRA
+    from a checkpoint quantizes each weight as it reads it (stages.common.load_quantized)."""
     from kernels.dispatch import set_mode
 
     set_mode(cfg.model.kernels)
     d = start_layout(cfg)
     torch.manual_seed(cfg.seed)
     meta = load_on_meta(cfg.lora)  # built on meta, each rank then loads only its shards
-    model, upstream = load_model(cfg.model, d.device, cfg.seed, meta=meta)
+    streamed = streams_quantized(cfg.model, cfg.lora)  # QLoRA: each weight quantized as it is read
+    if streamed:
+        model, upstream = load_quantized(cfg.model, cfg.lora, d.device)
+    else:
+        model, upstream = load_model(cfg.model, d.device, cfg.seed, meta=meta)
     tok = policy_tokenizer(cfg)
     if tok.vocab_size > model.args.vocab_size:
         raise StageError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab is {model.args.vocab_size}")
-    if cfg.lora.enabled:
+    if cfg.lora.enabled and not streamed:
         apply_lora(model, cfg.lora)
     d.mesh = parallelize_policy(model, cfg, d)
     if meta:
@@ -123,6 +133,23 @@ def open_session(name: str, cfg: TrainStageConfig) -> Session:
     s = Session(name, cfg, d, Path(cfg.output_dir or name), model, tok, upstream)
     s.meter = make_meter(s)
     return s
+
+
+def generator_model(cfg_json: str, kind: str) -> Transformer:
+    """The policy whole on one process's CPU, built as open_session builds it (LoRA applied,
+    QLoRA's base quantized) but without a layout: what a disaggregated generator worker runs
+    (core.generation.remote.WorkerSpec.build; `kind` names the stage's config class in
+    stages.config, which cfg_json is a dump of). Its weights are then the trainer's by sync."""
+    import stages.config as configs
+
+    cfg = getattr(configs, kind).model_validate_json(cfg_json)
+    cpu = torch.device("cpu")
+    if streams_quantized(cfg.model, cfg.lora):
+        return load_quantized(cfg.model, cfg.lora, cpu)[0]
+    model = load_model(cfg.model, cpu, cfg.seed)[0]
+    if cfg.lora.enabled:
+        apply_lora(model, cfg.lora)
+    return model
 
 
 def policy_tokenizer(cfg: TrainStageConfig):
@@ -195,14 +222,11 @@ def parallelize_stages(model: Transformer, cfg: TrainStageConfig, mesh: Parallel
     from core.parallel.pipeline import keep_own_stages
 
     p = cfg.parallel
-    if model.args.moe is not None:
-        raise StageError(f"parallel.pp={p.pp} with a mixture-of-experts model: the padded rows a pipeline runs on "
-                         "would count in the load balancing; not supported in the stages yet (use EP x FSDP)")
     microbatches = p.pp_microbatches or p.pp
     tp = mesh.group("tp") if mesh.dims.tp > 1 else None
     loss_fn = PipelineLoss(pipeline_token_loss(tp), tp)  # SFT's; DPO swaps in its own per step
     pipe = parallelize_pipeline(model, p, mesh, loss_fn, d.device, cfg.pipeline_rows() // microbatches,
-                                cfg.data.max_seq_len, packed=True, scale_grads=False,
+                                cfg.data.max_seq_len // mesh.dims.cp, packed=True, scale_grads=False,
                                 activation_checkpointing=cfg.model.activation_checkpointing,
                                 compile=cfg.model.compile)
     pipe.loss = loss_fn
@@ -330,7 +354,8 @@ def train(s: Session, plan: Plan) -> tuple[dict[str, float], dict[str, float], f
 #   val/...                  held-out metrics, from step 0 (before training) to the last step
 #   time/..., memory/...     throughput and memory (core.monitor); data/... what the data kept
 # The summary at the end (steps, train/seconds, time totals, data/...) is logged once, at the last step.
-OBJECTIVE_LOSS = {"sft": "train/sft_loss", "distill": "train/kd_loss", "dpo": "train/dpo_loss"}
+OBJECTIVE_LOSS = {"sft": "train/sft_loss", "distill": "train/kd_loss", "dpo": "train/dpo_loss",
+                  "grpo": "train/grpo_loss"}
 
 
 def run_metric_names(metrics: dict[str, float], stage: str) -> dict[str, float]:

@@ -26,10 +26,12 @@ class SFT:
         routing, names = adapter_routing(cfg.lora), trained_adapters(cfg)
         train_docs = sft_documents(cfg.data.sources, "train", s.tok, cfg.data, routing)
         val_docs = sft_documents(cfg.data.sources, "validation", s.tok, cfg.data, routing)
-        objective = routed(sft_objective, names) if names else sft_objective
+        objective = sft_objective
         pipe = pipeline_of(d)
         if pipe is not None:  # the schedule runs forward and backward over its microbatches
             objective = pipelined_sft(pipe, cfg.pipeline_rows(), cfg.data.max_seq_len, d.mesh.group("pp"))
+        if names:  # each document through its adapter
+            objective = routed(objective, names)
 
         def val_loss(docs) -> float:
             val = DeviceLoader(doc_loader(docs, cfg.data, d, epochs=1, evaluation=True), d.device)

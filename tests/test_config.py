@@ -291,7 +291,7 @@ def test_set_on_unknown_nested_path_errors_naming_the_path():
         demo("nodes.student.optim.lr.x=1")
     with pytest.raises(ConfigError, match="a.b.c=value"):
         demo("nodes.student.optim.lr")
-    with pytest.raises(ConfigError, match=r"^nodes\.nope\.kind: missing; one of data_prep, sft, distill, dpo, evaluate"):
+    with pytest.raises(ConfigError, match=r"^nodes\.nope\.kind: missing; one of data_prep, sft, distill, dpo, grpo, evaluate"):
         demo("nodes.nope.max_steps=3")  # a new node needs its kind first
     with pytest.raises(ConfigError, match=r"^nodes\.student\.rounds: unknown key"):
         demo("nodes.student.rounds=2")  # rounds are DPO's

@@ -27,7 +27,7 @@ from flows.dag import PipelineDAG, Upstream
 from tests.pipelines import DEMO_CONFIG
 from stages.config import STAGE_CONFIGS, SFTConfig
 
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 40)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DEFAULT = dump_config(load_config(PipelineConfig, DEMO_CONFIG))  # the demo, every default written out
 DEMO_DOC = _read(DEMO_CONFIG)  # the demo as written (shorthands: `model: student`, `data: prep`)
 NODES = list(DEFAULT["nodes"])
@@ -292,25 +292,36 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
         sets.append(f"nodes.{node}.parallel.pp_microbatches={sizes['pp']}")
     got = load(PipelineConfig, DEMO_CONFIG, sets)
     layout = ParallelConfig(**sizes, dp_shard=dp_shard, pp_microbatches=sizes["pp"] if sizes["pp"] > 1 else None)
+    fits = world_fits = True  # the layout fits the launcher's world; and also the node's model
     try:
         layout.resolve(nproc * nnodes)
-        if SHAPES[node] is not None:  # the model the node trains, traced back to its preset
+    except ValueError:
+        fits = world_fits = False
+    try:
+        if world_fits and SHAPES[node] is not None:  # the model the node trains, traced back to its preset
             layout.validate_for_model(*SHAPES[node])
-        fits = True
     except ValueError:
         fits = False
     refused = None  # the key the stage's own check names
     if sizes["pp"] > 1:
-        if node in ("teacher", "distill", "dpo"):  # the training stages run pp: first what pp does not combine
-            refused = "parallel.cp" if sizes["cp"] > 1 else "parallel.ep" if sizes["ep"] > 1 else None  # with
-            if refused is None and node != "dpo":  # the demo's batch_tokens: pp runs fixed shapes
+        if node in ("teacher", "distill", "dpo"):  # the training stages run pp: stages.config's checks in order
+            cp, tp, data = sizes["cp"], sizes["tp"], DEFAULT["nodes"][node]["data"]
+            sp = tp if tp > 1 else 1  # (sequence parallelism is on by default)
+            if cp > 1 and node == "dpo":  # what cp beside pp does not run: the demo's dpo samples on-policy
+                refused = "parallel.cp"
+            elif cp > 1 and data["max_seq_len"] % (2 * cp * sp):  # rows cut into 2 x cp (x tp) chunks
+                refused = "data.max_seq_len"
+            elif data["batch_tokens"] is not None:  # the demo's batch_tokens: pp runs fixed shapes
                 refused = "data.batch_tokens"
-            elif refused is None:  # the pairs of a micro-batch, cut into pp microbatches
-                pairs = DEFAULT["nodes"]["dpo"]["data"]["micro_batch_size"]
-                refused = "data.micro_batch_size" if pairs % sizes["pp"] else None
+            elif data["micro_batch_size"] % sizes["pp"]:  # the rows of a micro-batch, cut into pp microbatches
+                refused = "data.micro_batch_size"
+            elif data["max_seq_len"] % sp:  # rows split by sequence over tp
+                refused = "data.max_seq_len"
         elif dp_shard > 1 or sizes["cp"] > 1 or sizes["ep"] > 1:  # evaluation: stages x tp, replicas, no sharding
             refused = "parallel.pp"
-    if refused and (fits or not own_launcher):  # the stage's own check (before the world's, if both fail)
+    # the stage's own check comes first, unless the node's own launcher's world does not fit it (the
+    # model's shape is checked after both)
+    if refused and (world_fits or not own_launcher):
         assert isinstance(got, ConfigError) and f"nodes.{node}." in str(got), str(got)
         assert fits is False or f"nodes.{node}.{refused}: " in str(got), str(got)
     elif refused:

@@ -267,6 +267,34 @@ def test_reward_and_pass_at_k_from_sampled_generations(tiny):
     assert m["reward/task=add"] == pytest.approx(sum(map(sum, [scores[0], scores[1], scores[2]])) / 12)
 
 
+def test_the_engine_sampler_gives_the_static_greedy_results_and_samples_with_shared_prompts(
+        tiny, user_data, side_by_side):
+    """sampler: engine (core.generation): greedy, every metric and sample equal to the static
+    sampler's; sampled (n = 4 a prompt in one call), seeded per sample, so a rerun repeats it."""
+    from stages.evaluate import run
+
+    cfg, static = side_by_side
+    got = run(cfg.model_copy(update={"output_dir": str(tiny / "side-engine"), "sampler": "engine",
+                                     "tracking": OFF}))
+    assert got["results"] == static["results"]
+    same = lambda d: [(x["model"], x["index"], x["completion"]) for x in  # noqa: E731
+                      json.loads((tiny / d / "samples.json").read_text())]
+    assert same("side-engine") == same("side")
+    rows = [{"prompt": p, "bonus": int(i == 2), "task": t} for i, (p, _, t) in enumerate(PROMPTS[:4])]
+    src = write_jsonl(tiny / "prompts-engine.jsonl", rows)
+    sampled = EvalConfig(output_dir=str(tiny / "sampled-engine"), models=[str(tiny / "alpha")], data=[str(src)],
+                         verifier="tests.eval_verifiers:reward", temperature=1.0, num_samples=4, pass_k=[1, 4],
+                         batch_size=3, max_new_tokens=NEW, seed=7, tracking=OFF, sampler="engine")
+    first = run(sampled)["results"]["alpha"]
+    again = run(sampled.model_copy(update={"output_dir": str(tiny / "sampled-engine-2")}))["results"]["alpha"]
+    assert first == again and first["pass@4"] >= first["pass@1"] > 0
+    texts = [x["completion"] for x in json.loads((tiny / "sampled-engine" / "samples.json").read_text())]
+    assert len(texts) == 16 and len(set(texts)) > 4  # 4 samples of each of 4 prompts, not one repeated
+    with pytest.raises(ValueError, match=r"sampler: 'engine' needs the model whole on each rank or split by tp, "
+                                         r"but parallel sets pp=2"):
+        EvalConfig(models=[str(tiny / "alpha")], data=[str(src)], sampler="engine", parallel={"pp": 2})
+
+
 def test_win_rate_by_judge_likelihood(tiny, user_data):
     from stages.evaluate import run
 
@@ -445,7 +473,8 @@ def test_selection_and_names():
     ({"dp_shard": 2}, ("alpha", "beta")),   # each model sharded (FSDP), the ranks' batches in lockstep
     ({"ep": 2}, ("moe", "alpha")),          # an MoE's experts spread over the ranks (the dense one sharded)
     ({"pp": 2}, ("alpha", "moe")),          # each model in 2 pipeline stages: forwards and decoding stage by stage
-], ids=["data_parallel", "tp", "fsdp", "ep", "pp"])
+    ({"cp": 2}, ("alpha", "beta")),         # sharded over the cp ranks (whole rows each), in lockstep
+], ids=["data_parallel", "tp", "fsdp", "ep", "pp", "cp"])
 def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path, parallel, models):
     """Sampled generations, perplexity and pairs over 2 torchrun ranks equal one process's: the same
     samples, the same metrics (log-probs to float rounding). Sharded (FSDP, EP), every forward is
@@ -464,7 +493,7 @@ def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path
     result = Launch("evaluate", spec, spec.launcher, workdir=tmp_path / ".launch").start().wait()
     log = Path(result.log_file).read_text()
     assert result.ok, log[-3000:]
-    assert ("ranks in lockstep" in log) == (set(parallel) & {"dp_shard", "ep"} != set())  # sharded, or not
+    assert ("ranks in lockstep" in log) == (set(parallel) & {"dp_shard", "ep", "cp"} != set())  # sharded, or not
     assert log.count("split into pipeline stages") == (len(models) if "pp" in parallel else 0)
     two = json.loads((tmp_path / "two" / "manifest.json").read_text())
     first, second = (model_names([str(tiny / m) for m in models]))

@@ -346,8 +346,8 @@ def test_dpo_sft_term():
 
 def test_dpo_errors():
     pc, pr, rc, rr, nc, nr = dpo_inputs()
-    with pytest.raises(ValueError, match="valid: sigmoid, robust, ipo, hinge, simpo"):
-        L.dpo_loss(pc, pr, rc, rr, loss_type="kto")
+    with pytest.raises(ValueError, match="valid: sigmoid, robust, ipo, hinge, simpo, exo_pair"):
+        L.dpo_loss(pc, pr, rc, rr, loss_type="nope")
     with pytest.raises(ValueError, match="needs ref_chosen_logps and ref_rejected_logps"):
         L.dpo_loss(pc, pr, None, rr)
     with pytest.raises(ValueError, match="needs policy_chosen_nll or chosen_lengths"):

@@ -228,7 +228,6 @@ def test_dpo_and_distillation_train_several_adapters(root, sft_run):
 
 
 @pytest.mark.parametrize("kw,key", [
-    (dict(parallel={"pp": 2}), "parallel"),
     (dict(lora={**LORA, "adapter_sources": {"a": "nowhere.jsonl"}}), "lora"),
     (dict(lora={**LORA, "adapter_lr": {"c": 1e-3}}), "lora"),
     (dict(lora={**LORA, "modules_to_save": ["embed_tokens"]}), "lora"),
@@ -265,16 +264,21 @@ def test_a_downstream_node_names_one_adapter(root, sft_run):
     ("fsdp", {"dp_shard": 2}, 1),
     ("tp_sp", {"tp": 2, "sequence_parallel": True}, 2),
     ("cp", {"cp": 2}, 2),  # each document's adapter ids cut over the ring with its tokens
+    ("pp", {"pp": 2}, 2),  # the ids laid out as the pipeline's rows, each stage routing its microbatch's
 ])
 def test_several_adapters_under_torchrun_match_one_process(root, layout, parallel, grad_accum):
-    """2 gloo processes (FSDP dp_shard=2, TP + sequence parallelism, or CP) against one process with
-    as many micro-batches per step: every step's loss, each adapter's tokens and gradient norm, and
-    each exported adapter agree."""
+    """2 gloo processes (FSDP dp_shard=2, TP + sequence parallelism, CP or PP) against one process
+    with as many micro-batches per step: every step's loss, each adapter's tokens and gradient
+    norm, and each exported adapter agree."""
     from tests.test_stage_parallel import close, in_process, steps_of, torchrun_stage
+
+    data = {"sources": [str(root / "prep")], "max_seq_len": 128,
+            **({"batch_tokens": None, "micro_batch_size": 2} if "pp" in parallel else {"batch_tokens": 512})}
 
     def cfg(name, accum, **kw):
         return sft_cfg(root, name, max_steps=3, optim={"lr": 1e-3, "warmup_steps": 1, "grad_accum_steps": accum},
-                       tracking=TrackingConfig(enabled=False, log_every=1), checkpoint={"interval_steps": 0}, **kw)
+                       tracking=TrackingConfig(enabled=False, log_every=1), checkpoint={"interval_steps": 0},
+                       data=data, **kw)
 
     records = in_process(cfg(f"one-{layout}", 2))
     par_records = torchrun_stage(cfg(layout, grad_accum, parallel=parallel), root / f".work-{layout}")

@@ -261,3 +261,30 @@ def test_checkpoint_in_several_files(tmp_path):
     model, _ = load_model(cfg, torch.device("cpu"), meta=True)
     materialize_model(model, cfg, torch.device("cpu"))
     assert all(torch.equal(model.state_dict()[k], v) for k, v in want.state_dict().items())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2_moe"])  # tied head; qkv bias; experts + shared gate
+def test_qlora_from_a_checkpoint_is_quantized_as_it_is_read(tmp_path, family):
+    """QLoRA on a checkpoint (stages.common.load_quantized): built on meta, each targeted weight
+    read just before it is quantized, then the rest. Bit for bit what the whole model + apply_lora
+    gives (NF4 codes and scales, adapters, dense rest), double quant on and off, and the same
+    logits; nothing left on meta, a tied head still the embedding."""
+    from stages.common import load_quantized, streams_quantized
+
+    make_hf_model(family, tmp_path / family, vocab_size=VOCAB)
+    for double_quant in (True, False):
+        cfg = stage_config(str(tmp_path / family), {}, dict(LORA, quantize_base="nf4", double_quant=double_quant))
+        assert streams_quantized(cfg.model, cfg.lora)
+        want = old_path(cfg)
+        torch.manual_seed(cfg.seed)
+        got, _ = load_quantized(cfg.model, cfg.lora, torch.device("cpu"))
+        w, g = want.state_dict(), got.state_dict()
+        assert w.keys() == g.keys()
+        assert [k for k in w if not torch.equal(w[k], g[k])] == []
+        assert not any(t.is_meta for t in [*got.parameters(), *got.buffers()])
+        if got.args.tie_embeddings:
+            assert got.lm_head.weight is got.embed.weight
+        ids = torch.randint(0, VOCAB, (2, 11))
+        with torch.no_grad():
+            assert torch.equal(got(ids), want(ids))
+    assert not streams_quantized(ModelConfig(name_or_path="debug"), cfg.lora)  # a preset: drawn whole

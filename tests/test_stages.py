@@ -44,11 +44,13 @@ def distill_cfg(root: Path, out: str, **kw) -> DistillConfig:
                          eval_interval=3, optim={"lr": 2e-3, "warmup_steps": 1}, **kw)
 
 
-@pytest.mark.parametrize("mode", ["online", "on_policy"])
-def test_distillation_lowers_student_kl(prepared, mode):
+@pytest.mark.parametrize("mode,sampler", [("online", "static"), ("on_policy", "static"), ("on_policy", "engine")])
+def test_distillation_lowers_student_kl(prepared, mode, sampler):
+    """GKD's student samples from the static sampler or through the engine (sampler: engine)."""
     from stages.distill import run
 
-    m = run(distill_cfg(prepared, f"distill-{mode}", mode=mode, on_policy_ratio=0.5, max_new_tokens=8))["metrics"]
+    m = run(distill_cfg(prepared, f"distill-{mode}-{sampler}", mode=mode, on_policy_ratio=0.5, max_new_tokens=8,
+                        sampler=sampler))["metrics"]
     assert m["val/kl"] < m["val/kl_initial"]
     assert 0 < m["time/teacher_frac"] < 1
     if mode == "on_policy":
@@ -107,6 +109,22 @@ def test_dpo_raises_implicit_reward_accuracy(prepared, pairs, reference):
         assert m["on_policy/pairs"] == m["train_pairs"] > 0 and 0 < m["on_policy/pair_share"] <= 1
         assert m["on_policy/val_pairs"] > 0
         assert (out / "on_policy" / "train.jsonl").exists() and (out / "on_policy" / "validation.jsonl").exists()
+
+
+def test_on_policy_dpo_samples_through_the_engine(prepared):
+    """sampler: engine: the num_samples of each prompt come from one engine call (sharing the
+    prompt's KV blocks), ranked into pairs as the static sampler's are; the run trains on them."""
+    from stages.dpo import run
+
+    out = prepared / "dpo-engine"
+    cfg = DPOConfig(output_dir=str(out), model={"name_or_path": str(prepared / "student")},
+                    data={"sources": [str(prompts_file(prepared))], "micro_batch_size": 8}, tracking=OFF, max_steps=2,
+                    eval_interval=0, pairs="on_policy", reference="precomputed", num_samples=4, max_new_tokens=8,
+                    sampler="engine", optim={"lr": 5e-3, "warmup_steps": 1})
+    m = run(cfg)["metrics"]
+    assert m["on_policy/pairs"] == m["train_pairs"] > 0 and m["steps"] == 2
+    rows = [json.loads(line) for line in (out / "on_policy" / "train.jsonl").read_text().splitlines()]
+    assert rows and all(r["chosen"] != r["rejected"] for r in rows)
 
 
 def prompts_file(root: Path) -> Path:

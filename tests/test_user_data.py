@@ -514,8 +514,8 @@ def distill_spy(monkeypatch):
         return loader(docs, *a, **k)
 
     class Mix(mix):
-        def __init__(self, loader, session, prompts):
-            super().__init__(loader, session, prompts)
+        def __init__(self, loader, session, prompts, *rest):
+            super().__init__(loader, session, prompts, *rest)
             seen["prompts"] = prompts
 
     monkeypatch.setattr(distill, "doc_loader", doc_loader)

@@ -5,7 +5,7 @@ state dicts. The layer itself is core/lora/layer.py."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from fnmatch import fnmatchcase
 from typing import Any
@@ -72,12 +72,15 @@ def adapter_names(model: nn.Module) -> list[str]:
 
 def apply_lora(
     model: nn.Module, cfg: LoRAConfig | None = None, adapter_name: str | Sequence[str] | None = None,
-    exclude: str | Sequence[str] | None = None, **kwargs: Any,
+    exclude: str | Sequence[str] | None = None, base_weight: Callable[[str, nn.Linear], None] | None = None,
+    **kwargs: Any,
 ) -> list[str]:
     """Wrap the targeted nn.Linear layers (or reuse existing wrappers) and add the adapter(s)
     `adapter_name` (default: the config's adapter_names; the first added becomes active).
     The first call freezes everything but the adapters (and `modules_to_save`, trained in full).
-    Returns the targeted module names.
+    Returns the targeted module names. base_weight(name, linear): called for a targeted layer
+    whose weight is still on the meta device, to give it its values just before it is wrapped
+    (and quantized, under quantize_base: a model built on meta is quantized one weight at a time).
 
     kwargs: LoRAConfig fields set over `cfg`. targets: "all-linear" or ["all-linear"] (every
     nn.Linear but the output head), a regex, or a list of exact names / suffixes / globs /
@@ -108,6 +111,8 @@ def apply_lora(
     for name in chosen:
         mod = model.get_submodule(name)
         if not isinstance(mod, LoRALinear):
+            if base_weight is not None and mod.weight.is_meta:
+                base_weight(name, mod)
             mod = LoRALinear(mod, quantize=quantize, double_quant=c.double_quant)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, mod)

@@ -22,6 +22,7 @@ own names, so checkpoints, optimizers and exports see this rank's share of the o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from core.parallel.config import ParallelConfig
 from core.model.model import Transformer, attention_masks
-from core.model.moe import MoE
+from core.model.moe import MoE, routed_tokens
 from core.model.rope import rope_cos_sin, rope_frequencies
 from core.parallel.mesh import ParallelMesh
 
@@ -70,6 +71,9 @@ class PipelineStageModule(nn.Module):
         self.cp_group = None
         self.aux_loss_sum = torch.zeros(())  # detached, summed over this step's microbatches (logging)
         self.aux_weights: list[float] | None = None  # per microbatch of the step (None: 1 each)
+        self.token_masks: tuple[Tensor, ...] | None = None  # per microbatch: its real tokens (MoE balancing)
+        self.routes: tuple[Tensor, ...] | None = None  # per microbatch: each token's adapter (several adapters)
+        self.adapter_names: list[str] | None = None
         self.forwards = 0  # this step's forwards so far: the schedules run a stage's microbatches in order
 
     @torch.no_grad()
@@ -99,7 +103,21 @@ class PipelineStageModule(nn.Module):
             self.cp_state["batch"] = cp_batch(position_ids, T, self.cp_group)
         masks = attention_masks(self.args, [int(name) for name in self.layers], position_ids, T, device=x.device)
         weight = 1.0 if self.aux_weights is None else self.aux_weights[self.forwards]
+        real = None if self.token_masks is None else self.token_masks[self.forwards].to(x.device)
+        route = contextlib.nullcontext()
+        if self.routes is not None:  # several adapters: this microbatch's tokens each through its own
+            from core.lora.model import route_adapters
+
+            route = route_adapters(self, self.routes[self.forwards].to(x.device), self.adapter_names)
         self.forwards += 1
+        with routed_tokens(self, real), route:  # MoE balancing and counts see only this microbatch's real tokens
+            x = self._blocks(x, cos, sin, masks, weight)
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(x))
+        x = x.contiguous()  # sent as is to the next stage (a sequence-split x may be a strided view)
+        return (x, position_ids) if packed else x
+
+    def _blocks(self, x: Tensor, cos: Tensor, sin: Tensor, masks: dict, weight: float) -> Tensor:
         for name, layer in self.layers.items():
             x = layer(x, cos, sin, masks[self.args.window_of(int(name))])
             aux = [m.aux_loss * m.args.aux_loss_coef for m in layer.modules()
@@ -108,10 +126,7 @@ class PipelineStageModule(nn.Module):
                 aux = torch.stack(aux).sum()
                 self.aux_loss_sum = self.aux_loss_sum + aux.detach()
                 x = _AttachAux.apply(x, aux, weight)
-        if self.lm_head is not None:
-            return self.lm_head(self.norm(x))
-        x = x.contiguous()  # sent as is to the next stage (a sequence-split x may be a strided view)
-        return (x, position_ids) if packed else x
+        return x
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
@@ -138,6 +153,16 @@ class Pipeline:
     microbatch_size: int = 1  # rows of a microbatch (the fixed shape every step runs on)
     seq_len: int = 0
     tied_group: object = None  # tied embeddings: the first and last pipeline ranks, whose copies' gradients are summed
+    adapter_names: list[str] | None = None  # several adapters trained at once, while `routing` them
+
+    @contextlib.contextmanager
+    def routing(self, names: list[str]):
+        """Within it, steps route each token to its adapter (`step(adapter_ids=...)`, indices into names)."""
+        prev, self.adapter_names = self.adapter_names, list(names)
+        try:
+            yield
+        finally:
+            self.adapter_names = prev
 
     @property
     def tied(self) -> list:
@@ -171,14 +196,24 @@ class Pipeline:
             else []
 
     def step(self, *inputs: Tensor, target: Tensor | None = None, aux_weights: list[float] | None = None,
+             token_mask: Tensor | None = None, adapter_ids: Tensor | None = None,
              backward: bool = True) -> Tensor | None:
         """One forward + backward over all microbatches (forward only: backward=False). inputs go
         in on the first stage (input_ids [, position_ids]), target on the last; returns the
         microbatch losses (M,) on the last stage, None elsewhere (without MoE aux losses: see
-        `aux_loss`). aux_weights: what each microbatch's aux-loss gradient is scaled by."""
+        `aux_loss`). aux_weights: what each microbatch's aux-loss gradient is scaled by;
+        token_mask: (rows, seq) True at the real tokens, the only ones MoE balancing counts (every
+        stage has it: nothing but hidden states crosses stages, and each stage runs its
+        microbatches in order); adapter_ids: (rows, seq) each token's adapter, an index into
+        `adapter_names` (-1: none), inside `routing`."""
+        masks = None if token_mask is None else token_mask.chunk(self.microbatches)
+        if adapter_ids is not None and self.adapter_names is None:
+            raise ValueError("Pipeline.step(adapter_ids=...) outside Pipeline.routing(names)")
+        routes = None if adapter_ids is None else adapter_ids.chunk(self.microbatches)
         for m in self.modules:
             m.aux_loss_sum = torch.zeros(())
-            m.aux_weights, m.forwards = aux_weights, 0
+            m.aux_weights, m.token_masks, m.forwards = aux_weights, masks, 0
+            m.routes, m.adapter_names = routes, self.adapter_names
         losses: list[Tensor] = []
         run = self.schedule.step if backward else self.schedule.eval
         run(*(inputs if self.is_first else ()), target=target if self.is_last else None, losses=losses)

@@ -199,7 +199,17 @@ def generate_records(model, tok, enc: Encoded, data: EvalData, cfg: EvalConfig, 
     for batch in my_batches(len(data.prompts), cfg.batch_size, d):
         texts: list[list[str]] = [[] for _ in batch]
         prompts = [enc.prompt_ids[i] for i in batch] or [[pad]]  # a lockstep filler: one dummy row
-        for k in range(cfg.num_samples):
+        if cfg.sampler == "engine" and batch:  # every sample of a prompt in one call, sharing its blocks
+            from core.generation.engine import engine_generate
+
+            n = cfg.num_samples
+            params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                    stop_token_ids=stop, seed=sample_seed(cfg.seed, batch.start, 0))
+            with sampling(model, cfg.parallel, gather=True):  # under tp: decode mode (no sequence split)
+                gens = engine_generate(model, prompts, params, n=n)
+            for j, t in enumerate(texts):
+                t.extend(tok.decode(g.tokens, skip_special_tokens=True) for g in gens[j * n:(j + 1) * n])
+        for k in range(cfg.num_samples if cfg.sampler == "static" else 0):
             params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                     stop_token_ids=stop, seed=sample_seed(cfg.seed, batch.start, k))
             with sampling(model, cfg.parallel, gather=d.lockstep is None):

@@ -1,0 +1,176 @@
+"""Generation throughput: the paged, continuously batched engine (core.generation.Engine) beside
+the static-cache sampler the stages use today (core.model.generate) and transformers' `generate`,
+on the same model and prompts.
+
+    python -m benchmarks.generate [--models debug smollm2-135m] [--batches 1 16 64] [--samples 4 8]
+                                  [--new-tokens 32] [--out file.json]
+    posttrain bench generate [...]
+
+Model: a core.model preset with random weights (seed 0), fp32 on CPU, saved once as an HF
+checkpoint that transformers loads (LlamaForCausalLM, sdpa attention). Prompts: random token ids,
+lengths uniform in [16, 96] (seeded), distinct per row.
+
+Cases
+  greedy, batch B   B prompts, temperature 0, `new_tokens` tokens each (no stop token: every
+                    row decodes to the end, the same work on all sides). tokens_equal: the
+                    engine's and transformers' tokens against the static sampler's.
+  sampled, n = k    16 prompts, k samples each at temperature 1: the engine's `n` (the samples
+                    share the prompt's blocks, the prompt computed once), the static sampler on
+                    the prompts repeated k times, transformers with num_return_sequences=k.
+Per side: tokens_per_s = generated tokens / wall seconds (after one warm-up run of the case),
+added_mb = ru_maxrss growth of the child process that runs it, after it loaded the model;
+speedup = engine tokens/s over the other side's. Run it alone on the machine: it times things.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import emit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 97, (n,), generator=g)
+    return [torch.randint(5, vocab, (int(length),), generator=g).tolist() for length in lengths]
+
+
+def _run(side: str, models: dict, prompts: list[list[int]], new: int, n: int, greedy: bool) -> tuple[list, float]:
+    """(token lists, seconds) of one side on one case."""
+    import torch
+
+    from core.generation import Engine, RequestParams
+    from core.model.generate import SamplingParams, generate
+
+    ours, hf = models["ours"], models["hf"]
+    temp = 0.0 if greedy else 1.0
+    t0 = time.perf_counter()
+    if side == "engine":
+        rows = len(prompts) * n
+        longest = max(len(p) for p in prompts) + new
+        engine = Engine(ours, max_num_seqs=rows, block_size=16, num_blocks=rows * (-(-longest // 16) + 1),
+                        max_batch_tokens=4096)
+        outs = engine.generate(prompts, RequestParams(max_tokens=new, temperature=temp, n=n, seed=0, logprobs=False))
+        tokens = [c.tokens for o in outs for c in o.completions]
+    elif side == "static":
+        rows = [p for p in prompts for _ in range(n)]
+        tokens = [g.tokens for g in generate(ours, rows, SamplingParams(max_new_tokens=new, temperature=temp, seed=0))]
+    else:
+        tokens = []
+        with torch.no_grad():
+            width = max(len(p) for p in prompts)
+            ids = torch.zeros(len(prompts), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for b, p in enumerate(prompts):  # left padding, as generate wants for decoder-only models
+                ids[b, width - len(p):], mask[b, width - len(p):] = torch.tensor(p), 1
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                              do_sample=not greedy, num_return_sequences=n, pad_token_id=0, eos_token_id=None)
+            tokens = out[:, width:].tolist()
+    return tokens, time.perf_counter() - t0
+
+
+def _child(side, path, prompts, new, n, greedy, q):
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
+    models = load(path)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start = _rss_mb()
+    _run(side, models, prompts, new, n, greedy)  # warm-up
+    tokens, seconds = _run(side, models, prompts, new, n, greedy)
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, before)
+    q.put((tokens, seconds, peak - start))
+
+
+def measure(side: str, path: Path, prompts, new: int, n: int, greedy: bool) -> dict:
+    ctx = mp.get_context("spawn")  # a fresh process (a forked one can hang in the parent's OpenMP pool)
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(side, path, prompts, new, n, greedy, q))
+    p.start()
+    tokens, seconds, added = q.get(timeout=3600)
+    p.join()
+    generated = sum(len(t) for t in tokens)
+    return {"tokens_per_s": generated / seconds, "seconds": seconds, "generated": generated,
+            "added_mb": round(added, 1), "_tokens": tokens}
+
+
+def save(name: str, workdir: Path) -> Path:
+    """The preset with random weights (seed 0) as an HF checkpoint directory."""
+    from core.model import build_model, get_preset
+    from registry.hf import save_pretrained
+
+    save_pretrained(build_model(get_preset(name), seed=0), workdir / name)
+    return workdir / name
+
+
+def load(path: Path) -> dict:
+    """The checkpoint as our model and as transformers' (the same weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from registry.hf import load_pretrained
+
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa").eval()
+    return {"ours": load_pretrained(path).eval(), "hf": hf}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["debug", "smollm2-135m"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--samples", nargs="+", type=int, default=[4, 8])
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    doc: dict = {"command": "python -m benchmarks.generate " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "cpus": os.cpu_count(), "new_tokens": args.new_tokens, "models": {}}
+    with tempfile.TemporaryDirectory(prefix="bench_generate.") as tmp:
+        for name in args.models:
+            from core.model import get_preset
+
+            path = save(name, Path(tmp))
+            args_ = get_preset(name)
+            vocab = args_.vocab_size
+            cases: dict = {}
+            plan = [(f"greedy_b{b}", _prompts(vocab, b, b), 1, True) for b in args.batches]
+            plan += [(f"sampled_b16_n{k}", _prompts(vocab, 16, 100 + k), k, False) for k in args.samples]
+            for case, prompts, n, greedy in plan:
+                sides = {side: measure(side, path, prompts, args.new_tokens, n, greedy)
+                         for side in ("engine", "static", "transformers")}
+                entry = {}
+                for side, r in sides.items():
+                    entry[side] = {k: v for k, v in r.items() if not k.startswith("_")}
+                for other in ("static", "transformers"):
+                    entry[f"speedup_vs_{other}"] = round(sides["engine"]["tokens_per_s"] /
+                                                         sides[other]["tokens_per_s"], 3)
+                if greedy:
+                    ref = sides["static"]["_tokens"]
+                    entry["tokens_equal"] = {s: sides[s]["_tokens"] == ref for s in ("engine", "transformers")}
+                cases[case] = entry
+                print(f"{name} {case}: " + ", ".join(f"{s} {entry[s]['tokens_per_s']:.1f} tok/s" for s in sides),
+                      file=sys.stderr)
+            doc["models"][name] = {"parameters": args_.num_params(), "cases": cases}
+    return emit(doc, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Per-request sampling parameters, the engine's outputs, and the sampler.
+
+Every sequence samples from its own logits row with its own `torch.Generator` (seeded from the
+request's seed, plus the sample's index for n > 1), so a seeded sample depends on its request
+alone, not on what else shares the batch or on when it was scheduled: a sequence draws exactly one
+uniform per token and takes the token where the filtered distribution's CDF passes it. Filtering:
+temperature, then top-k and top-p (core.model.generate's filter_logits), then min-p (drop tokens
+whose probability is under min_p times the most likely one's), batched over the step's rows that
+share those settings (`sample_rows`). Log-probabilities are of the raw (temperature 1, unfiltered) distribution, as in
+core.model.generate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from core.model.generate import filter_logits
+
+
+@dataclass
+class RequestParams:
+    """What one request asks for (the engine's SamplingParams)."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0: all)."""
+    top_p: float = 1.0
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely token (0: off)."""
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    """Stop strings: the sequence ends once its decoded text contains one (needs the engine's
+    `decode`). The tokens up to and including the one that completed the string are kept."""
+    seed: int | None = None
+    n: int = 1
+    """Samples of the prompt; they share the prompt's KV blocks."""
+    logprobs: bool = True
+    """Record the log-probability of each chosen token."""
+    top_logprobs: int = 0
+    """Also record the k most likely tokens' log-probabilities at each step."""
+    adapter: str | None = None
+    """The LoRA adapter this request decodes with (requests for different adapters share a batch,
+    each token routed to its own; core.lora.route_adapters). None: the model as it is, or, in a
+    step where another request names an adapter, the base alone."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_tokens < 1:
+            raise ValueError(f"n ({self.n}) and max_tokens ({self.max_tokens}) must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
+            raise ValueError("need temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1")
+        self.stop_token_ids, self.stop = tuple(self.stop_token_ids), tuple(self.stop)
+
+
+@dataclass
+class Completion:
+    """One sample of a request (the fields of core.model.generate.Generation, and more)."""
+
+    tokens: list[int]
+    """New tokens, the stop token included when one ended the sequence."""
+    finish_reason: str
+    """"stop" (a stop token or string) or "length" (max_tokens)."""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    index: int = 0
+    """Which of the request's n samples."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: list[int]
+    completions: list[Completion]
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (not computed)."""
+
+
+def make_generator(params: RequestParams, index: int, device: torch.device) -> torch.Generator | None:
+    if params.temperature == 0:
+        return None
+    g = torch.Generator(device=device)
+    if params.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(params.seed + index)
+    return g
+
+
+def sample_rows(logits: torch.Tensor, picks: list) -> list[int]:
+    """The next token of each (sequence, logits row) in `picks`, from (R, V) fp32 logits: greedy
+    rows by one argmax; sampled rows batched by their filters (temperature, top-k, top-p, min-p:
+    one filter and softmax for all rows that share them), each row's token then drawn by inverse
+    CDF from one uniform of its own generator, so a sample depends only on its seed and logits."""
+    if not picks:
+        return []
+    out = logits.argmax(-1).tolist()  # one host transfer for every row's greedy token
+    tokens = [out[r] for _, r in picks]
+    groups: dict[tuple, list[int]] = {}
+    for i, (seq, _) in enumerate(picks):
+        p = seq.request.params
+        if p.temperature > 0:
+            groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
+    for (temperature, top_k, top_p, min_p), members in groups.items():
+        rows = torch.tensor([picks[i][1] for i in members], device=logits.device)
+        probs = filter_logits(logits[rows], temperature, top_k, top_p).softmax(-1)
+        if min_p > 0:
+            probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
+        cdf = probs.cumsum(-1)
+        u = torch.stack([torch.rand((), generator=picks[i][0].generator, device=logits.device) for i in members])
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)  # cdf > u: a kept token
+        drawn = torch.minimum(drawn, (probs > 0).long().cumsum(-1).argmax(-1))  # never past the last kept token
+        for i, t in zip(members, drawn.tolist()):
+            tokens[i] = t
+    return tokens
+
+
+def token_logprobs(logp: torch.Tensor, token: int, top: int) -> tuple[float, dict[int, float]]:
+    """The raw log-probability of `token` and the `top` most likely tokens' (by id), from a (V,)
+    row of log-probabilities (temperature 1)."""
+    tops: dict[int, float] = {}
+    if top:
+        values, ids = logp.topk(min(top, logp.shape[-1]))
+        tops = dict(zip(ids.tolist(), values.tolist()))
+    return float(logp[token]), tops
+
+
+def hits_stop_string(tokens: list[int], stops: tuple[str, ...], decode: Callable[[list[int]], str] | None,
+                     window: int = 0) -> bool:
+    """Whether the decoded text of the last tokens contains a stop string. `window` tokens at most
+    are decoded (0: all): enough to hold the longest stop string plus the new token."""
+    if not stops or decode is None:
+        return False
+    text = decode(tokens[-window:] if window else tokens)
+    return any(s in text for s in stops)

@@ -1,0 +1,8 @@
+"""An OpenAI-compatible model server on core.generation's engine (docs/serving.md).
+
+    worker.EngineWorker   one engine replica, driven by its own thread
+    protocol              request checks -> RequestParams; OpenAI-shaped errors
+    text                  stop strings and streamed text
+    app.build_app         the FastAPI routes, auth, backpressure, metrics
+    server                adapters onto the base, the state, uvicorn
+"""

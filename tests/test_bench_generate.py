@@ -1,0 +1,31 @@
+"""benchmarks.generate at its smallest (the debug preset, batches 1 and 3, n = 2, 4 new tokens):
+the JSON it promises, and greedy tokens equal on the three sides (the engine, the static sampler,
+transformers). The figures themselves are never compared."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_generate_benchmark_reports_three_sides(tmp_path):
+    out = tmp_path / "generate.json"
+    cmd = [sys.executable, "-m", "flows.cli", "bench", "generate", "--models", "debug", "--batches", "1", "3",
+           "--samples", "2", "--new-tokens", "4", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(out.read_text())["models"]["debug"]["cases"]
+    assert set(cases) == {"greedy_b1", "greedy_b3", "sampled_b16_n2"}
+    for name, case in cases.items():
+        for side in ("engine", "static", "transformers"):
+            rows = 16 * 2 if name.startswith("sampled") else int(name[len("greedy_b"):])
+            assert case[side]["generated"] == rows * 4 and case[side]["tokens_per_s"] > 0
+        assert case["speedup_vs_static"] == round(case["engine"]["tokens_per_s"] / case["static"]["tokens_per_s"], 3)
+        if name.startswith("greedy"):
+            assert case["tokens_equal"] == {"engine": True, "transformers": True}
