@@ -180,6 +180,62 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _check_serve_args(args) -> str | None:
+    """What is wrong with serve-model's numbers, before anything loads or starts."""
+    if args.replicas < 1:
+        return f"--replicas must be at least 1, not {args.replicas}"
+    if not 0 <= args.port <= 65535:
+        return f"--port {args.port} is not a TCP port (0-65535)"
+    for flag, value in (("--max-queue", args.max_queue), ("--max-num-seqs", args.max_num_seqs),
+                        ("--prefix-chars", args.prefix_chars)):
+        if value < 1:
+            return f"{flag} must be at least 1, not {value}"
+    if args.max_retries < 0:
+        return f"--max-retries must be 0 or more, not {args.max_retries}"
+    if args.request_timeout <= 0:
+        return f"--request-timeout must be positive, not {args.request_timeout}"
+    return None
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _serve_replicas(args, model_ref: str, api_key: str | None) -> int:
+    """--replicas N > 1: N `serve-model` processes on loopback ports behind one front end."""
+    from stages.serving.frontend import serve_replicas
+    from stages.serving.routing import Router
+
+    name = args.served_model_name or args.model
+
+    def command(port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "flows.cli", "serve-model", model_ref, "--host", "127.0.0.1",
+               "--port", str(port), "--served-model-name", name, "--max-queue", str(args.max_queue),
+               "--max-num-seqs", str(args.max_num_seqs), "--device", args.device]
+        if args.adapters:
+            cmd += ["--adapters", args.adapters]
+        if args.tokenizer:
+            cmd += ["--tokenizer", args.tokenizer]
+        return cmd
+
+    ports = _free_ports(args.replicas)
+    router = Router(args.replicas, args.routing, prefix_chars=args.prefix_chars)
+    print(f"serve-model: {args.replicas} replicas on 127.0.0.1 ports {', '.join(map(str, ports))}, "
+          f"routing {router.policy}", file=sys.stderr)
+    serve_replicas(command, ports, router, host=args.host, port=args.port, api_key=api_key,
+                   max_retries=args.max_retries, request_timeout=args.request_timeout)
+    return 0
+
+
 def cmd_serve_model(args) -> int:
     import os
 
@@ -190,6 +246,10 @@ def cmd_serve_model(args) -> int:
     from stages.common import StageError, load_model, load_tokenizer, resolve_model_dir
     from stages.serving.server import EngineSettings, load_adapters, make_state, parse_adapters, serve
 
+    problem = _check_serve_args(args)
+    if problem:
+        print(f"serve-model: {problem}", file=sys.stderr)
+        return 2
     try:
         model_ref = args.model
         if model_ref.startswith("models:/"):  # a registered MLflow model, fetched into a local cache
@@ -205,6 +265,21 @@ def cmd_serve_model(args) -> int:
             model_ref = str(local)
         is_preset = resolve_model_dir(model_ref)[0] is None
         adapters = parse_adapters(args.adapters)
+        api_key = args.api_key or os.environ.get("POSTTRAIN_API_KEY") or None
+        if args.replicas > 1:  # the replicas load the model; here only what would fail in each of them
+            if is_preset:
+                from core.model import get_preset
+
+                try:
+                    get_preset(model_ref)
+                except KeyError as e:
+                    raise StageError(str(e.args[0])) from None
+            missing = [str(p) for p in adapters.values() if not p.exists()]
+            if missing:
+                raise StageError(f"--adapters: no such directory: {', '.join(missing)}")
+            if api_key is None:
+                print("serve-model: no --api-key / POSTTRAIN_API_KEY: every route is open", file=sys.stderr)
+            return _serve_replicas(args, model_ref, api_key)
         model, _ = load_model(ModelConfig(name_or_path=model_ref), torch.device(args.device))
         if args.tokenizer is None and is_preset:
             from flows.byte_tokenizer import byte_tokenizer
@@ -216,8 +291,7 @@ def cmd_serve_model(args) -> int:
         else:
             tok = load_tokenizer(args.tokenizer, model_ref)
         names = load_adapters(model, adapters)
-        api_key = args.api_key or os.environ.get("POSTTRAIN_API_KEY") or None
-        state = make_state(model, tok, args.model, names, api_key=api_key, max_queue=args.max_queue,
+        state = make_state(model, tok, args.served_model_name or args.model, names, api_key=api_key, max_queue=args.max_queue,
                            engine=EngineSettings(max_num_seqs=args.max_num_seqs))
     except (StageError, CheckpointError, ValueError) as e:
         print(f"serve-model: {e}", file=sys.stderr)
@@ -293,6 +367,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device for the model (cpu, cuda, cuda:1)")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI for models:/ references")
     p.add_argument("--registry-cache", default="runs/.registry", help="where models:/ references are downloaded")
+    p.add_argument("--served-model-name", default=None, help="the base model's id in the API (default: MODEL)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="N > 1: N server processes on loopback ports behind a front end on --host/--port")
+    p.add_argument("--routing", choices=["least-loaded", "prefix"], default="least-loaded",
+                   help="replicas: the least outstanding tokens, or by a hash of the prompt's start (prefix cache)")
+    p.add_argument("--prefix-chars", type=int, default=64, help="--routing prefix: characters hashed")
+    p.add_argument("--max-retries", type=int, default=2,
+                   help="replicas: times a non-streaming request is sent again when its replica's connection fails")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="replicas: seconds the front end waits for a replica's answer (between stream events)")
     p.set_defaults(func=cmd_serve_model)
     return parser
 

@@ -140,6 +140,21 @@ def _chat_logprobs(state: ServerState, tokens: list[int], logps: list[float], to
                         for i, (t, lp) in enumerate(zip(tokens, logps))]}
 
 
+def authorized(request: Request, api_key: str | None) -> bool:
+    """Every route but /health needs `Authorization: Bearer KEY` when a key is set (constant-time
+    compare). The replicas' front end (stages.serving.frontend) applies the same rule."""
+    if request.url.path == "/health" or api_key is None:
+        return True
+    auth = request.headers.get("authorization", "")
+    given = auth[7:] if auth[:7].lower() == "bearer " else ""
+    return hmac.compare_digest(given.encode(), api_key.encode())
+
+
+def unauthorized() -> JSONResponse:
+    return _error(APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                           type="authentication_error", code="invalid_api_key"))
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="posttrain serve-model", docs_url=None, redoc_url=None, openapi_url=None)
     state.metrics = state.metrics or Metrics(state.worker, state)
@@ -150,14 +165,9 @@ def build_app(state: ServerState) -> FastAPI:
         path = request.url.path
         route = path if path in ("/health", "/metrics", "/v1/models", "/v1/completions",
                                  "/v1/chat/completions") else "other"
-        if path != "/health" and state.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            given = auth[7:] if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), state.api_key.encode()):
-                response = _error(APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                           type="authentication_error", code="invalid_api_key"))
-                metrics.requests.labels(route, "401").inc()
-                return response
+        if not authorized(request, state.api_key):
+            metrics.requests.labels(route, "401").inc()
+            return unauthorized()
         try:
             response = await call_next(request)
         except Exception as e:  # noqa: BLE001 - never let a request take the server down
