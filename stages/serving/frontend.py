@@ -386,6 +386,9 @@ def serve_replicas(command: Callable[[int], list[str]], ports: list[int], router
     """Run the front end (and, through its lifespan, the replicas) until uvicorn is told to stop."""
     import uvicorn
 
+    if not logging.getLogger().handlers:  # the replicas' state changes, retries, restarts
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check
     env = dict(os.environ)
     env.pop("POSTTRAIN_API_KEY", None)
     if api_key is not None:
