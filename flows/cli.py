@@ -9,6 +9,7 @@
     posttrain config [CONFIG.yaml] [--set ...]      the resolved DAG and what is cached (--json, --convert OLD)
     posttrain generate MODEL "prompt" ...           sample from a preset, HF dir or stage output
     posttrain serve-model MODEL [--adapters a=DIR]  OpenAI-compatible server on 127.0.0.1 (docs/serving.md)
+    posttrain serve-model MODEL --replicas N        N engine processes behind one front end, with failover
 """
 
 from __future__ import annotations
