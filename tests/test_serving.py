@@ -293,7 +293,7 @@ def test_malformed_json_and_wrong_routes(server):
     error_of(server.get("/v1/completions"), 405)
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 6, 10 ** 6) | st.floats(allow_nan=False)
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 6, 10 ** 6) | st.floats(allow_nan=False, allow_infinity=False)
                     | st.text(max_size=8), lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
                     max_leaves=8)
 FIELDS = st.fixed_dictionaries({}, optional={
