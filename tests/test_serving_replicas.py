@@ -394,6 +394,7 @@ def replicas(checkpoint, tmp_path_factory):
         logf.seek(0)
         log = logf.read()
         assert rc in (0, -signal.SIGTERM), log[-3000:]
+        assert "Traceback" not in log, log[-5000:]  # no exception escaped the front end or a replica
 
 
 def health(url):

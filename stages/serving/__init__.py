@@ -5,4 +5,6 @@
     text                  stop strings and streamed text
     app.build_app         the FastAPI routes, auth, backpressure, metrics
     server                adapters onto the base, the state, uvicorn
+    routing.Router        which replica gets a request (least outstanding tokens, or by prompt prefix)
+    frontend              --replicas N: the replica processes, their supervisor, the proxying front end
 """
