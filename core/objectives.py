@@ -248,7 +248,7 @@ def kto_objective(beta: float, reference: Callable[[dict[str, Any]], torch.Tenso
         batch = cp_view(model, batch)
         n = batch["num_sequences"]
         logps, _ = pair_logps(model, batch)
-        ref = (batch["ref_logps"] if reference is None else reference(batch)).to(logps.dtype)
+        ref = (batch["ref_logps"] if reference is None else reference(batch)).detach().to(logps.dtype)
         z0 = unpaired_kl(model, batch, reference, kl_group if kl_reduce else None, kl_reduce)
         good = batch["desirable"].to(logps.device)
         losses = kto_loss(logps, ref, good, beta, z0, desirable_weight, undesirable_weight)
