@@ -6,7 +6,8 @@ data.val_fraction where they name no split), or on-policy pairs the policy sampl
 data's prompts and a reward ranks (best = chosen, worst = rejected: stages/on_policy.py). The
 reference (`reference`) is the base under `disable_adapter()` for LoRA policies, a frozen copy of
 the starting model (any policy: full fine-tuning too), or log-probs precomputed once and cached
-beside the outputs. Chosen and rejected share one forward.
+beside the outputs. Chosen and rejected share one forward. Unpaired rows (prompt, completion,
+label: TRL's KTO format) train `loss_type: kto` (`setup_unpaired`, docs/preference_losses.md).
 
     torchrun --nproc-per-node 2 -m stages.dpo --config spec.json
 """
