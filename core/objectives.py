@@ -29,7 +29,7 @@ from torch import nn
 
 from core.data.packing import sequence_sums
 from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk, dpo_loss
-from core.preference import REFERENCE_FREE_LOSSES, kto_kl, length_desensitized_logps, wpo_weights
+from core.preference import REFERENCE_FREE_LOSSES, kto_kl, kto_loss, length_desensitized_logps, wpo_weights
 from core.model.moe import routed_tokens
 from core.parallel.context import CP_KEY, shard_batch, shard_like, sum_over_shards
 from core.parallel.losses import (vocab_parallel_cross_entropy, vocab_parallel_distill_loss,
@@ -139,7 +139,8 @@ def pair_logps(model: nn.Module, batch: dict[str, Any], ld_alpha: float | None =
     log sum_v p(v)^2 per token: an extra no-grad pass over the lm_head, chunked (one process or
     FSDP only: not under tensor or context parallelism)."""
     batch = cp_view(model, batch)
-    n_seq = 2 * batch["num_pairs"]
+    # a pair batch holds 2N sequences; an unpaired one (KTO, collate_unpaired) says how many
+    n_seq = batch["num_sequences"] if "num_sequences" in batch else 2 * batch["num_pairs"]
     group = _cp_group(model)
     if (ld_alpha is not None or wpo) and (group is not None or _tp_group(model) is not None and wpo):
         raise ValueError("ld_alpha and use_weighting need whole sequences (ld_alpha: not under context "
@@ -160,6 +161,8 @@ def pair_logps(model: nn.Module, batch: dict[str, Any], ld_alpha: float | None =
         per_token = token_logps(model, batch)
     targets = mask.to(per_token.dtype)
     if ld_alpha is not None:
+        if "num_pairs" not in batch:
+            raise ValueError("ld_alpha (LD-DPO) compares the two responses of a pair: not for unpaired data")
         sums = length_desensitized_logps(per_token, mask, batch["sequence_ids"], batch["num_pairs"], ld_alpha)
     else:
         sums = sequence_sums(per_token, batch["sequence_ids"], n_seq)
@@ -223,6 +226,60 @@ def dpo_objective(beta: float, loss_type: str | Sequence[str] = "sigmoid", label
         return LossOutput(out.losses.sum() / shares, n / shares, metrics)
 
     return objective
+
+
+def kto_objective(beta: float, reference: Callable[[dict[str, Any]], torch.Tensor] | None = None,
+                  desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+                  kl_group: dist.ProcessGroup | None = None, kl_reduce: bool = False) -> Callable:
+    """KTO on unpaired data (core.preference.kto_loss) over a collate_unpaired batch: each
+    example's completion log-prob under the policy and the reference (`reference(batch)`, or the
+    precomputed `batch["ref_logps"]` (N,) when None), the reference point z0 from the batch's
+    mismatched pairs (`batch["kto_kl_batch"]`: the policy's and reference's log-probs, no grad;
+    precomputed reference log-probs of them in `batch["ref_kl_logps"]`), as TRL's KTOTrainer: the
+    micro-batch mean of the log-ratios, averaged over the data-parallel ranks (`kl_reduce`: an
+    all-reduce over `kl_group`, None = the default group) and then clamped at 0. The loss is summed
+    per example (the trainer divides by the step's examples: a per-example mean).
+
+    Metrics, as the DPO stage names them: rewards/chosen and rewards/rejected (the mean of
+    b (log pi - log ref) over the batch's desirable / undesirable examples, when it has any),
+    rewards/margin (their difference, when both), rewards/kto_kl (z0)."""
+
+    def objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
+        batch = cp_view(model, batch)
+        n = batch["num_sequences"]
+        logps, _ = pair_logps(model, batch)
+        ref = (batch["ref_logps"] if reference is None else reference(batch)).detach().to(logps.dtype)
+        z0 = unpaired_kl(model, batch, reference, kl_group if kl_reduce else None, kl_reduce)
+        good = batch["desirable"].to(logps.device)
+        losses = kto_loss(logps, ref, good, beta, z0, desirable_weight, undesirable_weight)
+        rewards = beta * (logps.detach().to(losses.dtype) - ref.to(losses.dtype))
+        metrics = {"rewards/kto_kl": float(z0)}
+        if bool(good.any()):
+            metrics["rewards/chosen"] = float(rewards[good].mean())
+        if not bool(good.all()):
+            metrics["rewards/rejected"] = float(rewards[~good].mean())
+        if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+            metrics["rewards/margin"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        shares = dist.get_world_size(_cp_group(model)) if _cp_group(model) is not None else 1
+        return LossOutput(losses.sum() / shares, n / shares, metrics)
+
+    return objective
+
+
+@torch.no_grad()
+def unpaired_kl(model: nn.Module, batch: dict[str, Any], reference: Callable | None,
+                group: dist.ProcessGroup | None = None, reduce: bool = False) -> torch.Tensor:
+    """KTO's z0 of an unpaired batch: max(0, mean over its mismatched pairs of log pi - log ref),
+    the per-rank means averaged over `group`'s ranks first when `reduce` (TRL gathers them)."""
+    device = batch["input_ids"].device
+    kl_batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch["kto_kl_batch"].items()}
+    policy = pair_logps(model, kl_batch)[0]
+    ref = batch["ref_kl_logps"].to(device) if reference is None else reference(kl_batch)
+    mean = (policy.double() - ref.double()).mean()
+    if reduce:
+        dist.all_reduce(mean, group=group)
+        mean = mean / dist.get_world_size(group)
+    return mean.clamp(min=0).to(policy.dtype)
 
 
 @torch.no_grad()

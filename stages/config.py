@@ -380,8 +380,10 @@ class DPOConfig(TrainStageConfig):
                                       "(1 = plain DPO, 0 = ignore them); none = off.")
     use_weighting: bool = Field(False, description="WPO: weigh each pair by the policy's own (detached) "
                                                    "length-normalized probability of its two responses.")
-    kto_desirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the desirable (chosen) responses.")
-    kto_undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable (rejected) ones.")
+    kto_desirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the desirable (chosen) responses "
+                                                               "(TRL's desirable_weight, accepted too).")
+    kto_undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable (rejected) ones "
+                                                                 "(TRL's undesirable_weight).")
     kto_kl_estimate: Literal["batch", "mismatched"] = Field(
         "batch", description="KTO's reference point: from the micro-batch's own responses ('batch'), or, as TRL, "
                              "from mismatched pairs (each prompt with the previous pair's responses: 'mismatched', "
@@ -407,6 +409,22 @@ class DPOConfig(TrainStageConfig):
         None, description="On-policy: score completions by this model's mean log-likelihood instead of `reward`.")
 
     _judge = field_validator("judge", mode="before")(model_shorthand)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trl_kto_names(cls, data: Any) -> Any:
+        """TRL's KTOConfig names, desirable_weight and undesirable_weight, for kto_desirable_weight
+        and kto_undesirable_weight."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for trl_name in ("desirable_weight", "undesirable_weight"):
+            if trl_name in data:
+                ours = f"kto_{trl_name}"
+                if ours in data and data[ours] != data[trl_name]:
+                    raise ValueError(f"{trl_name} (TRL's name) and {ours} are the same knob; set one")
+                data[ours] = data.pop(trl_name)
+        return data
 
     @model_validator(mode="after")
     def _check_dpo(self) -> DPOConfig:

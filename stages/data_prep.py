@@ -21,7 +21,7 @@ from core.data import (SPLITS, DataError, DropStats, Encoder, ExamplePipeline, d
                        num_tokens, output_key, record, validate_row)
 from core.data.dataset import read_template
 from core.data.errors import RowError
-from core.data.formats import Example, Preference
+from core.data.formats import Example, Preference, Unpaired
 from core.data.prepared import TASKS as PREPARED_TASKS
 from core.manifest import write_manifest
 from core.tasks import TASKS, make_suite
@@ -64,13 +64,14 @@ def _texts(example: Example) -> list[str]:
     for value in dataclasses.asdict(example).values():
         if isinstance(value, str):
             out.append(value)
-        else:
+        elif isinstance(value, list):  # messages (an unpaired row's label is neither)
             out.extend(str(m.get("content") or "") for m in value)
     return out
 
 
 _STRUCTURAL = {"messages", "prompt", "completion", "chosen", "rejected", "input_ids", "labels", "prompt_ids",
-               "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}
+               "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels", "label", "completion_ids",
+               "completion_labels"}
 
 
 def extra_columns(row: Any) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def extra_columns(row: Any) -> dict[str, Any]:
 
 
 def _task(example: Example) -> str:
-    return "preference" if isinstance(example, Preference) else "sft"
+    return "preference" if isinstance(example, Preference) else "unpaired" if isinstance(example, Unpaired) else "sft"
 
 
 def _tokenizer(cfg: DataPrepConfig, out: Path, suite: list) -> Any:

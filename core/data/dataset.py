@@ -23,7 +23,7 @@ from core.data.split import SPLITS, assign_split, content_hash, split_key
 if TYPE_CHECKING:
     from core.data.config import DataConfig
 
-_EXPECTED = "messages, prompt+completion, prompt+chosen+rejected, or chosen+rejected"
+_EXPECTED = "messages, prompt+completion, prompt+chosen+rejected, chosen+rejected, or prompt+completion+label"
 
 
 @dataclass
@@ -142,7 +142,8 @@ def _rows_with_format(source: Source, want: str) -> Iterator[tuple[RawRow, str |
     until the first object whose fields reveal the format (usually line 1; with data.format "sft"
     or "preference" that row still tells messages from prompt/completion), so that a malformed row
     is then reported as a missing or mistyped field of that format."""
-    if source.columns is not None or want in FORMATS:
+    # a preference JSONL may be paired or unpaired (KTO): its first row tells, as with "auto"
+    if source.columns is not None or (want in FORMATS and want != "preference"):
         fmt = detect_format(source.columns or [], want)
         if fmt is None:
             raise DataError(f"cannot tell the format from columns {sorted(source.columns or [])}; expected {_EXPECTED} "

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from core.data.errors import DataError, RowError
-from core.data.formats import Conversation, Example, Preference, common_prefix
+from core.data.formats import Conversation, Example, Preference, Unpaired, common_prefix
 from core.losses import IGNORE_INDEX
 
 
@@ -86,7 +86,32 @@ class PreferencePair:
         return len(self.prompt_ids) + max(len(self.chosen_ids), len(self.rejected_ids))
 
 
-def num_tokens(item: Document | PreferencePair) -> int:
+@dataclass
+class UnpairedExample:
+    """A tokenized unpaired preference row (KTO): the prompt, one completion with its labels, and
+    whether the completion is desirable."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_labels: list[int]
+    label: bool
+    adapter: int | None = None
+
+    @property
+    def document(self) -> Document:
+        return Document(self.prompt_ids + self.completion_ids,
+                        [IGNORE_INDEX] * len(self.prompt_ids) + self.completion_labels, self.adapter)
+
+    def with_completion_of(self, other: UnpairedExample) -> Document:
+        """This prompt with `other`'s completion: a mismatched pair (x, y') of KTO's reference point."""
+        return Document(self.prompt_ids + other.completion_ids,
+                        [IGNORE_INDEX] * len(self.prompt_ids) + other.completion_labels, self.adapter)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+def num_tokens(item: Document | PreferencePair | UnpairedExample) -> int:
     """An example's length as max_seq_len, min_tokens and token statistics count it: a document's
     tokens, or a pair's longer sequence."""
     return item.longest if isinstance(item, PreferencePair) else len(item)
@@ -108,9 +133,11 @@ class Encoder:
         self.template_kwargs: dict[str, Any] = {} if chat_template is None else {"chat_template": chat_template}
         self.bos_id = tokenizer.bos_id
 
-    def __call__(self, example: Example) -> Document | PreferencePair:
+    def __call__(self, example: Example) -> Document | PreferencePair | UnpairedExample:
         if isinstance(example, Preference):
             return self._preference(example)
+        if isinstance(example, Unpaired):
+            return self._unpaired(example)
         if isinstance(example, Conversation):
             field = "messages"
             ids, mask = self._encode(field, example.messages)
@@ -179,6 +206,18 @@ class Encoder:
                 raise RowError("no_target_tokens", name, "no completion token is trained on")
         return pair
 
+    def _unpaired(self, ex: Unpaired) -> UnpairedExample:
+        ids, mask = self._encode("completion", ex.prompt, ex.completion)
+        if not any(mask):
+            raise RowError("no_target_tokens", "completion", "the chat template renders no completion tokens")
+        p = mask.index(True)  # the prompt: everything before the completion's first trained token
+        labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+        item = fit_unpaired(UnpairedExample(ids[:p], ids[p:], labels[p:], ex.label), self.max_len, self.truncation,
+                            self.bos_id)
+        if not _has_target(item.document.labels):
+            raise RowError("no_target_tokens", "completion", "no completion token is trained on")
+        return item
+
     def _truncate(self, field: str, ids: list[int], labels: list[int], completion_start: int):
         return truncate(ids, labels, self.max_len, self.truncation, self.bos_id, completion_start, field)
 
@@ -203,6 +242,30 @@ def truncate(ids: list[int], labels: list[int], max_len: int, policy: str, bos_i
         raise RowError("too_long", field, f"{over}, and truncation='left' keeps the final completion whole: "
                                           f"it has {len(ids) - completion_start} tokens")
     return ids[:head] + ids[head + cut :], labels[:head] + labels[head + cut :]
+
+
+def fit_unpaired(ex: UnpairedExample, max_len: int, policy: str, bos_id: int | None) -> UnpairedExample:
+    """An unpaired example within `max_len` tokens by the truncation policy (right: cut the
+    completion's end; left: the prompt after BOS, the completion kept whole; drop: skipped), as for
+    a pair; RowError when no policy keeps a trained token. Examples that fit are returned as is."""
+    if len(ex) <= max_len:
+        return ex
+    over = f"prompt + completion = {len(ex)} tokens > max_seq_len={max_len}"
+    if policy == "drop":
+        raise RowError("too_long", "completion", f"{over} (truncation='drop')", always_skip=True)
+    if policy == "left":
+        head = 1 if bos_id is not None and ex.prompt_ids[:1] == [bos_id] else 0
+        cut = len(ex) - max_len
+        if cut > len(ex.prompt_ids) - head:
+            raise RowError("too_long", "completion", f"{over}, and truncation='left' keeps the completion whole: "
+                                                     f"it has {len(ex.completion_ids)} tokens")
+        return UnpairedExample(ex.prompt_ids[:head] + ex.prompt_ids[head + cut:], ex.completion_ids,
+                               ex.completion_labels, ex.label, ex.adapter)
+    room = max_len - len(ex.prompt_ids)
+    out = UnpairedExample(ex.prompt_ids, ex.completion_ids[:room], ex.completion_labels[:room], ex.label, ex.adapter)
+    if not _has_target(out.document.labels):
+        raise RowError("too_long", "completion", f"{over}, and truncation='right' leaves no completion tokens")
+    return out
 
 
 def last_run_start(mask: list[bool]) -> int:

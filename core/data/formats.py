@@ -4,8 +4,10 @@
     prompt_completion   {"prompt": str | messages, "completion": str | messages}
     preference          {"prompt": str | messages, "chosen": ..., "rejected": ...}
     implicit_preference {"chosen": full conversation or text, "rejected": ...}, sharing a prompt prefix
+    unpaired_preference {"prompt": str | messages, "completion": ..., "label": bool}  (KTO; true = desirable)
 
-The first two are SFT data, the last two preference data. Validation returns a clean example
+The first two are SFT data, the next two preference data, the last unpaired preference data
+(TRL's KTOTrainer format: one completion per row, labelled desirable or not). Validation returns a clean example
 (None-valued keys dropped: Parquet and Arrow fill absent struct fields with nulls) or raises
 RowError naming the field by its path, e.g. `messages[2].role`. Implicit-prompt rows are split into
 prompt and completions here, so everything downstream sees explicit prompts.
@@ -24,7 +26,8 @@ Text = Union[str, list[Message]]  # a plain string, or a list of chat messages
 ROLES = ("system", "user", "assistant", "tool")
 SFT_FORMATS = ("messages", "prompt_completion")
 PREFERENCE_FORMATS = ("preference", "implicit_preference")
-FORMATS = SFT_FORMATS + PREFERENCE_FORMATS
+UNPAIRED_FORMATS = ("unpaired_preference",)
+FORMATS = SFT_FORMATS + PREFERENCE_FORMATS + UNPAIRED_FORMATS
 
 # Which roles may come right before each role (None = start of the conversation). Chat templates
 # (Llama 2, Mistral, Gemma) raise on anything else, and a model learns nothing sensible from two
@@ -55,14 +58,32 @@ class Preference:
     rejected: Text
 
 
-Example = Union[Conversation, PromptCompletion, Preference]
+@dataclass(frozen=True)
+class Unpaired:
+    """One completion of a prompt labelled desirable (True) or undesirable (False): KTO's data."""
+
+    prompt: Text
+    completion: Text
+    label: bool
+
+
+Example = Union[Conversation, PromptCompletion, Preference, Unpaired]
+
+
+def is_unpaired(cols: list[str] | set[str]) -> bool:
+    """Columns of TRL's unpaired preference format: prompt, completion and label, no chosen/rejected."""
+    cols = set(cols)
+    return {"prompt", "completion", "label"} <= cols and not {"chosen", "rejected"} & cols
 
 
 def detect_format(columns: list[str] | set[str], want: str = "auto") -> str | None:
     """The format a row or table with these columns has, or None. `want` is "auto", a task ("sft",
     "preference") or a format name; a forced choice is returned even if columns lack its fields, so
-    that validation reports the missing field by name."""
+    that validation reports the missing field by name. "preference" takes pairs, or unpaired rows
+    when the columns are prompt, completion and label."""
     cols = set(columns)
+    if want in ("auto", "preference") and is_unpaired(cols):
+        return "unpaired_preference"  # preference data in TRL's unpaired form (KTO)
     if want in FORMATS:
         return want
     pref = "preference" if "prompt" in cols else "implicit_preference"
@@ -83,7 +104,8 @@ def detect_format(columns: list[str] | set[str], want: str = "auto") -> str | No
 
 
 def task_of(fmt: str) -> str:
-    return "sft" if fmt in SFT_FORMATS else "preference"
+    """"sft", "preference" (pairs) or "unpaired" (KTO's labelled single completions)."""
+    return "sft" if fmt in SFT_FORMATS else "unpaired" if fmt in UNPAIRED_FORMATS else "preference"
 
 
 def validate_row(row: Any, fmt: str) -> Example:
@@ -107,6 +129,14 @@ def validate_row(row: Any, fmt: str) -> Example:
         return Preference(prompt, chosen, rejected)
     if fmt == "implicit_preference":
         return _split_implicit(_field(row, "chosen"), _field(row, "rejected"))
+    if fmt == "unpaired_preference":
+        prompt = _prompt(_field(row, "prompt"))
+        completion = _completion(_field(row, "completion"), "completion", prompt)
+        label = _field(row, "label")
+        if not isinstance(label, bool):  # TRL selects desirable rows by a boolean mask: 1/"true" are not labels
+            raise RowError("wrong_type", "label", f"expected a JSON boolean (true = desirable, false = undesirable), "
+                                                  f"got {describe(label)}")
+        return Unpaired(prompt, completion, label)
     raise ValueError(f"unknown data format {fmt!r}")
 
 

@@ -4,7 +4,8 @@ Units. The sampler deals *units* of known token length:
   documents, packing=true   packed rows (core.data.packing.pack, first-fit decreasing) of at most
                             max_seq_len tokens each, several documents per row;
   documents, packing=false  one document per unit (a "sequence" of micro_batch_size);
-  preference pairs          one pair per unit (chosen and rejected always travel together).
+  preference pairs          one pair per unit (chosen and rejected always travel together);
+  unpaired examples (KTO)   one example per unit, collated with their mismatched pairs.
 A micro-batch is micro_batch_size units, or, with batch_tokens, as many units as fit in that
 many tokens (batch_tokens replaces micro_batch_size).
 
@@ -35,9 +36,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from core.data.encode import Document, PreferencePair
+from core.data.encode import Document, PreferencePair, UnpairedExample
 from core.data.errors import DataError
-from core.data.packing import collate_padded, collate_padding_free, collate_preference, pack
+from core.data.packing import collate_padded, collate_padding_free, collate_preference, collate_unpaired, pack
 from core.data.sampler import BatchSampler, StatefulLoader
 
 if TYPE_CHECKING:
@@ -120,8 +121,17 @@ def build_loader(items: Sequence[Document | PreferencePair] | PreparedData, cfg:
             return batch
 
         return Loader(BatchSampler([len(p) for p in pairs], **common), collate_pairs, lockstep=lockstep)
+    if all(isinstance(x, UnpairedExample) for x in items):
+        examples: Sequence[UnpairedExample] = items
+
+        def collate_examples(indices: list[int]) -> dict[str, Any]:
+            batch = collate_unpaired([examples[i] for i in indices], padding_free, pad_id)
+            batch["doc_indices"] = indices
+            return batch
+
+        return Loader(BatchSampler([len(e) for e in examples], **common), collate_examples, lockstep=lockstep)
     if not all(isinstance(x, Document) for x in items):
-        raise TypeError("build_loader takes Documents or PreferencePairs, not a mix")
+        raise TypeError("build_loader takes Documents, PreferencePairs or UnpairedExamples, not a mix")
 
     docs: Sequence[Document] = items
     lengths = [len(d) for d in docs]

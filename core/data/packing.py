@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from core.data.encode import Document, PreferencePair
+from core.data.encode import Document, PreferencePair, UnpairedExample
 from core.losses import IGNORE_INDEX
 
 PACKING_STRATEGIES = ("ffd", "greedy")
@@ -188,6 +188,26 @@ def collate_preference(pairs: Sequence[PreferencePair], padding_free: bool = Tru
     docs = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     batch = collate_padding_free(docs) if padding_free else collate_padded([[d] for d in docs], pad_id)
     batch["num_pairs"] = len(pairs)
+    return batch
+
+
+def collate_unpaired(examples: Sequence[UnpairedExample], padding_free: bool = True, pad_id: int = 0,
+                     kl: bool = True) -> dict[str, torch.Tensor | int]:
+    """Unpaired preference examples (KTO), one sequence each (prompt + completion), with
+    `num_sequences` (N), `desirable` (bool (N,)) and, with `kl`, `kto_kl_batch`: the mismatched
+    pairs KTO's reference point is estimated from, collated alike. They are TRL's: the completions
+    rotated by one within the micro-batch, so prompt i goes with completion i-1 (the first with the
+    last), and the mismatched completions are the batch's own."""
+    docs = [e.document for e in examples]
+    batch = collate_padding_free(docs) if padding_free else collate_padded([[d] for d in docs], pad_id)
+    batch["num_sequences"] = len(examples)
+    batch["desirable"] = torch.tensor([bool(e.label) for e in examples], dtype=torch.bool)
+    if kl:
+        prev = list(examples[-1:]) + list(examples[:-1])
+        mism = [e.with_completion_of(q) for e, q in zip(examples, prev)]
+        kl_batch = collate_padding_free(mism) if padding_free else collate_padded([[d] for d in mism], pad_id)
+        kl_batch["num_sequences"] = len(examples)
+        batch["kto_kl_batch"] = kl_batch
     return batch
 
 

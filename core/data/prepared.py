@@ -8,6 +8,7 @@ what the Encoder made of it:
 
     sft          input_ids, labels
     preference   prompt_ids, chosen_ids, chosen_labels, rejected_ids, rejected_labels
+    unpaired     prompt_ids, completion_ids, completion_labels, label (KTO: true = desirable)
 
 Labels are -100 where no loss applies (prompt, template tokens such as the newline after the
 end-of-turn token); they are stored, not rebuilt from ids, so the stages train on exactly the
@@ -16,6 +17,7 @@ labels data prep computed.
     read_rows(sources, task, split)           the rows as dicts
     read_documents(sources, split, cfg)       SFT Documents (the stage's mask_prompt and truncation)
     read_pairs(sources, split, cfg)           (PreferencePair, row) with the row's other fields
+    read_unpaired(sources, split, cfg)        (UnpairedExample, row), likewise
     load_documents / load_pairs               the same for stage sources that may also be raw
                                               files (validated, tokenized and split by load_data)
     load_splits(sources, task, splits, ...)   several splits at once, each raw source read once
@@ -27,7 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-from core.data.encode import Document, PreferencePair, Tokenizer, last_run_start, truncate
+from core.data.encode import (Document, PreferencePair, Tokenizer, UnpairedExample, fit_unpaired, last_run_start,
+                              truncate)
 from core.data.errors import DataError, DropStats, RowError
 from core.losses import IGNORE_INDEX
 from core.data.split import canonical_split
@@ -37,10 +40,11 @@ if TYPE_CHECKING:
     from core.data.config import DataConfig
     from core.data.routing import AdapterRouting
 
-TASKS = ("sft", "preference")
+TASKS = ("sft", "preference", "unpaired")
 COLUMNS = {
     "sft": ("input_ids", "labels"),
     "preference": ("prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"),
+    "unpaired": ("prompt_ids", "completion_ids", "completion_labels", "label"),
 }
 Sources = Union[str, Path, Sequence[Union[str, Path]]]
 
@@ -52,9 +56,12 @@ def output_key(task: str, split: str) -> str:
     return f"{task}_{canonical_split(split)}"
 
 
-def record(fields: dict[str, Any], item: Document | PreferencePair) -> dict[str, Any]:
+def record(fields: dict[str, Any], item: Document | PreferencePair | UnpairedExample) -> dict[str, Any]:
     """One Parquet row: the example's fields and its tokens and labels (see COLUMNS)."""
-    if isinstance(item, PreferencePair):
+    if isinstance(item, UnpairedExample):
+        tokens = {"prompt_ids": item.prompt_ids, "completion_ids": item.completion_ids,
+                  "completion_labels": item.completion_labels, "label": bool(item.label)}
+    elif isinstance(item, PreferencePair):
         tokens = {"prompt_ids": item.prompt_ids, "chosen_ids": item.chosen_ids, "chosen_labels": item.chosen_labels,
                   "rejected_ids": item.rejected_ids, "rejected_labels": item.rejected_labels}
     else:
@@ -169,6 +176,27 @@ def read_pairs(sources: Sources, split: str, cfg: DataConfig | None = None, bos_
     return out
 
 
+def read_unpaired(sources: Sources, split: str, cfg: DataConfig | None = None, bos_id: int | None = None,
+                  routing: AdapterRouting | None = None) -> list[tuple[UnpairedExample, dict[str, Any]]]:
+    """(UnpairedExample, row) for every unpaired preference row (KTO) of a split of prepared
+    sources, as read_pairs: cut to cfg.max_seq_len by its truncation, tagged by `routing`."""
+    out = []
+    for src in _as_list(sources):
+        tag = routing.tagger(src) if routing is not None else None
+        for i, r in enumerate(read_rows(src, "unpaired", split)):
+            ex = UnpairedExample(r["prompt_ids"], r["completion_ids"], r["completion_labels"], bool(r["label"]))
+            try:
+                if cfg is not None:
+                    ex = fit_unpaired(ex, cfg.max_seq_len, cfg.truncation, bos_id)
+                ex.adapter = tag(r) if tag is not None else None
+            except RowError as e:
+                if e.always_skip or (cfg is not None and cfg.on_bad_row == "skip"):
+                    continue
+                raise DataError.from_row(e, str(prepared_files(src, "unpaired", split)[0]), i, "row") from None
+            out.append((ex, r))
+    return out
+
+
 def fit_pair(p: PreferencePair, max_len: int, policy: str, bos_id: int | None) -> PreferencePair:
     """A pair whose prompt + longest completion exceeds `max_len`, cut by the truncation policy
     (right: the completions; left: the prompt after BOS; drop: skipped); RowError when it cannot."""
@@ -213,6 +241,36 @@ def _load_raw(src: str | Path, task: str, tokenizer: Tokenizer | None, cfg: Data
     return data
 
 
+def data_task(sources: Sources, want: str = "preference") -> str:
+    """The preference task the sources hold, "preference" (pairs) or "unpaired" (KTO's labelled
+    single completions), without reading them through: a data-prep stage directory by its outputs,
+    a raw source by the columns of its table or first JSONL row (as format detection does).
+    "preference" when nothing tells; DataError when the sources mix the two."""
+    from core.data.formats import detect_format, task_of
+    from core.data.sources import open_sources
+
+    found: dict[str, str] = {}
+    for src in _as_list(sources):
+        if is_prepared(src):
+            outputs = read_manifest(src)["outputs"]
+            kinds = [t for t in ("preference", "unpaired") if any(k.startswith(f"{t}_") for k in outputs)]
+            if len(kinds) == 1:
+                found.setdefault(kinds[0], str(src))
+            continue
+        for source in open_sources([str(src)]):
+            cols = source.columns
+            if cols is None:
+                cols = next((list(r.value) for r in source.rows() if isinstance(r.value, dict)), None)
+            fmt = detect_format(cols, want) if cols is not None else None
+            if fmt is not None and task_of(fmt) in ("preference", "unpaired"):
+                found.setdefault(task_of(fmt), source.name)
+    if len(found) > 1:
+        raise DataError(f"mixes paired preference rows ({found['preference']}) with unpaired ones "
+                        f"({found['unpaired']}, prompt/completion/label); train them in separate stages",
+                        source=", ".join(map(str, _as_list(sources))))
+    return next(iter(found), "preference")
+
+
 def _check_prepared(src: str | Path, cfg: DataConfig | None) -> None:
     if cfg is not None and cfg.chat_template is not None:
         raise DataError(f"data.chat_template={cfg.chat_template!r} cannot apply to data prep's output, which is "
@@ -222,8 +280,9 @@ def _check_prepared(src: str | Path, cfg: DataConfig | None) -> None:
 def load_splits(sources: Sources, task: str, splits: Sequence[str], tokenizer: Tokenizer | None = None,
                 cfg: DataConfig | None = None, stats: DropStats | None = None,
                 routing: AdapterRouting | None = None) -> dict[str, list]:
-    """{split: items} for several splits of every source, `task` "sft" (Documents) or "preference"
-    ((PreferencePair, row) tuples; a raw source's rows hold the pair's token columns only). Data
+    """{split: items} for several splits of every source, `task` "sft" (Documents), "preference"
+    ((PreferencePair, row) tuples; a raw source's rows hold the pair's token columns only) or
+    "unpaired" ((UnpairedExample, row), likewise). Data
     prep's output is read back split by split (cut to cfg.max_seq_len); a raw source (JSONL,
     Parquet, saved datasets) is validated, tokenized and split once by load_data with cfg, its
     skipped rows counted in `stats`. Every bad row is raised (or counted) here, before training.
@@ -238,6 +297,8 @@ def load_splits(sources: Sources, task: str, splits: Sequence[str], tokenizer: T
             for split in out:
                 if task == "sft":
                     out[split].extend(read_documents(src, split, cfg, bos_id, routing))
+                elif task == "unpaired":
+                    out[split].extend(read_unpaired(src, split, cfg, bos_id, routing))
                 else:
                     out[split].extend(read_pairs(src, split, cfg, bos_id, routing))
         else:

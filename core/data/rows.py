@@ -29,7 +29,8 @@ from core.data.prepared import _as_list, is_prepared, prepared_files, read_rows
 from core.data.sources import open_sources
 
 _STRUCTURE = ("messages", "prompt", "completion", "chosen", "rejected")
-_TOKENS = ("input_ids", "labels", "prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels")
+_TOKENS = ("input_ids", "labels", "prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels",
+           "completion_ids", "completion_labels")
 
 
 @dataclass
