@@ -294,6 +294,11 @@ def serve_tp(spec: dict, tp: int, model_id: str, host: str, port: int, api_key: 
                            make_worker=lambda make_engine: TPEngineWorker(make_engine, channel, alive))
         print(f"serve-model: tensor-parallel replica of {tp} ranks ready", file=sys.stderr)
         served = True
+        # uvicorn re-raises the SIGTERM / SIGINT it stopped on once it is done; with the default
+        # handler that would kill this process inside serve(), before the worker tells the
+        # followers to stop. A handler of ours takes that re-raise, and we exit 0.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
         serve(state, host=host, port=port)
         if state.worker.fatal is not None:
             print(f"serve-model: {state.worker.fatal}", file=sys.stderr)
