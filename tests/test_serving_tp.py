@@ -1,11 +1,11 @@
 """`posttrain serve-model --tp K` (stages.serving.tp): one replica split by tensor parallelism over
 K processes. A real server with --tp 2 on CPU (gloo), started by the CLI as a user starts it and
-talked to with the official `openai` client; its answers (greedy, streamed, chat, seeded n=2
-sampling, two requests interleaved in one batch) are compared token for token with the engine
-run in one process on the same checkpoint. A follower killed mid-request fails the request with
-a clean error and rank 0 exits 1; SIGTERM stops every rank with exit 0. Plus the fast checks: a
---tp that does not divide the heads is refused before anything starts, and the messages'
-encoding of RequestParams round-trips."""
+talked to with the official `openai` client. Its answers are compared token for token with the
+engine run in one process on the same checkpoint: greedy, through a LoRA adapter, streamed,
+chat, seeded n=2 sampling, and two requests interleaved in one batch. A follower killed
+mid-request fails the request with a clean error and rank 0 exits 1; SIGTERM stops every rank
+with exit 0. Plus the fast checks: a --tp that does not divide the heads is refused before
+anything starts, and the messages' encoding of RequestParams round-trips."""
 
 from __future__ import annotations
 
@@ -81,20 +81,43 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint):
+def adapter(checkpoint, tmp_path_factory):
+    """A LoRA adapter with random B (so it changes the answers), saved in PEFT format."""
+    import torch
+
+    from core.lora import apply_lora
+    from registry.adapters import save_adapter
+    from registry.hf import load_pretrained
+
+    model = load_pretrained(checkpoint)
+    torch.manual_seed(1)
+    apply_lora(model, rank=4, alpha=8.0, targets="all-linear", adapter_name="a")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    return save_adapter(model, tmp_path_factory.mktemp("adapters") / "a", "a")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, adapter):
     """The single-process engine on the same checkpoint: (token lists, log-prob lists, texts) of
     one request."""
     from core.generation import Engine
     from registry.hf import load_pretrained
     from registry.tokenizer import Tokenizer
 
+    from stages.serving.server import load_adapters
+
     tok = Tokenizer.from_pretrained(checkpoint)
-    engine = Engine(load_pretrained(checkpoint).eval(), max_num_seqs=4, block_size=16,
+    model = load_pretrained(checkpoint)
+    load_adapters(model, {"a": adapter})
+    engine = Engine(model.eval(), max_num_seqs=4, block_size=16,
                     decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
 
-    def run(prompt_ids, max_tokens, temperature=0.0, seed=None, n=1):
+    def run(prompt_ids, max_tokens, temperature=0.0, seed=None, n=1, adapter=None):
         (out,) = engine.generate([prompt_ids], RequestParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                                             n=n, stop_token_ids=tuple(tok.eos_ids)))
+                                                             n=n, stop_token_ids=tuple(tok.eos_ids), adapter=adapter))
         return ([c.tokens for c in out.completions], [c.logprobs for c in out.completions],
                 [tok.decode(c.tokens, skip_special_tokens=True) for c in out.completions])
 
@@ -105,13 +128,14 @@ def reference(checkpoint):
 class TPServer:
     """`posttrain serve-model CKPT --tp 2` in its own process, its output in a log file."""
 
-    def __init__(self, checkpoint, log_path: Path):
+    def __init__(self, checkpoint, log_path: Path, adapter: Path | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w+")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", str(checkpoint), "--tp", "2",
-                                      "--port", str(self.port), "--served-model-name", "debug", "--max-num-seqs", "8"],
+                                      "--port", str(self.port), "--served-model-name", "debug", "--max-num-seqs", "8",
+                                      *(["--adapters", f"a={adapter}"] if adapter else [])],
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while time.time() < deadline and self.proc.poll() is None:
@@ -144,8 +168,8 @@ class TPServer:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    s = TPServer(checkpoint, tmp_path_factory.mktemp("tp") / "serve.log")
+def server(checkpoint, adapter, tmp_path_factory):
+    s = TPServer(checkpoint, tmp_path_factory.mktemp("tp") / "serve.log", adapter)
     followers = s.followers()
     assert len(followers) == 1
     yield s
@@ -162,13 +186,18 @@ def server(checkpoint, tmp_path_factory):
 def test_a_tp2_server_answers_token_for_token_like_one_process(server, reference):
     client = server.client()
     tok = reference.tok
-    assert [m.id for m in client.models.list().data] == ["debug"]
-    for p in ("the quick brown fox", "tensor parallel serving: "):
-        tokens, logps, texts = reference(tok.encode(p, add_special_tokens=False), 12)
-        got = client.completions.create(model="debug", prompt=p, max_tokens=12, temperature=0, logprobs=0).choices[0]
+    assert [m.id for m in client.models.list().data] == ["debug", "a"]
+    answers = {}
+    for p, model in (("the quick brown fox", "debug"), ("tensor parallel serving: ", "debug"),
+                     ("the quick brown fox", "a")):  # the adapter, split with its base layers
+        tokens, logps, texts = reference(tok.encode(p, add_special_tokens=False), 12,
+                                         adapter=None if model == "debug" else model)
+        got = client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0, logprobs=0).choices[0]
         assert got.text == texts[0]
         assert len(got.logprobs.token_logprobs) == len(tokens[0])  # the same tokens: same count, same log-probs
         assert max(abs(a - b) for a, b in zip(got.logprobs.token_logprobs, logps[0])) < 1e-4
+        answers[model, p] = got.text
+    assert answers["a", "the quick brown fox"] != answers["debug", "the quick brown fox"]
 
     p = "streamed "
     _, _, texts = reference(tok.encode(p, add_special_tokens=False), 16)
