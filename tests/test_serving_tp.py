@@ -67,6 +67,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """The debug preset with a large init (no greedy ties) and the byte tokenizer, saved as a checkpoint."""
@@ -150,8 +175,7 @@ class TPServer:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=60)
 
     def followers(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
+        return descendants(self.proc.pid)
 
     def text(self) -> str:
         self.log.flush()
@@ -178,8 +202,7 @@ def server(checkpoint, adapter, tmp_path_factory):
     assert rc == 0, log[-3000:]
     assert "Traceback" not in log and "stopped:" not in log, log[-5000:]
     time.sleep(0.5)
-    assert not any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-                   for pid in followers), "a follower outlived SIGTERM on rank 0"
+    assert not [p for p in followers if running(p)], "a follower outlived SIGTERM on rank 0"
 
 
 @pytest.mark.slow
@@ -288,3 +311,42 @@ def test_a_follower_dying_fails_its_requests_cleanly_and_rank0_exits_1(checkpoin
         assert "serve-model: the tensor-parallel group failed" in log and "Traceback" not in log, log[-3000:]
     finally:
         s.stop()
+
+
+@pytest.mark.slow
+def test_tp_composes_with_replicas(checkpoint, reference, tmp_path):
+    """--tp 2 --replicas 2: the front end starts two replicas of two ranks each (both become ready:
+    their ranks met); they answer like the one-process engine, and SIGTERM on the front end takes
+    every process down."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w+")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", str(checkpoint), "--tp", "2",
+                             "--replicas", "2", "--port", str(port), "--served-model-name", "debug"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        ready = False
+        while not ready and time.time() < deadline and proc.poll() is None:
+            try:
+                ready = all(r["state"] == "ready" for r in httpx.get(f"{url}/health", timeout=2).json()["replicas"])
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.3)
+        assert ready, Path(log.name).read_text()[-3000:]
+        pids = descendants(proc.pid)
+        assert len(pids) >= 4  # two replicas' rank 0s and their followers
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        tok = reference.tok
+        for i in range(3):
+            p = f"replica prompt {i} "
+            _, _, want = reference(tok.encode(p, add_special_tokens=False), 8)
+            assert client.completions.create(model="debug", prompt=p, max_tokens=8, temperature=0).choices[0].text == want[0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(40)
+    assert rc in (0, -signal.SIGTERM), Path(log.name).read_text()[-3000:]
+    time.sleep(1)
+    assert not [p for p in pids if running(p)], "processes left after SIGTERM"
+    assert "Traceback" not in Path(log.name).read_text()
