@@ -342,7 +342,8 @@ def test_tp_composes_with_replicas(checkpoint, reference, tmp_path):
         for i in range(3):
             p = f"replica prompt {i} "
             _, _, want = reference(tok.encode(p, add_special_tokens=False), 8)
-            assert client.completions.create(model="debug", prompt=p, max_tokens=8, temperature=0).choices[0].text == want[0]
+            got = client.completions.create(model="debug", prompt=p, max_tokens=8, temperature=0)
+            assert got.choices[0].text == want[0]
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(40)
