@@ -10,6 +10,7 @@
     posttrain generate MODEL "prompt" ...           sample from a preset, HF dir or stage output
     posttrain serve-model MODEL [--adapters a=DIR]  OpenAI-compatible server on 127.0.0.1 (docs/serving.md)
     posttrain serve-model MODEL --replicas N        N engine processes behind one front end, with failover
+    posttrain serve-model MODEL --tp K              one replica split by tensor parallelism over K processes
 """
 
 from __future__ import annotations
@@ -186,6 +187,8 @@ def _check_serve_args(args) -> str | None:
     """What is wrong with serve-model's numbers, before anything loads or starts."""
     if args.replicas < 1:
         return f"--replicas must be at least 1, not {args.replicas}"
+    if args.tp < 1:
+        return f"--tp must be at least 1, not {args.tp}"
     if not 0 <= args.port <= 65535:
         return f"--port {args.port} is not a TCP port (0-65535)"
     for flag, value in (("--max-queue", args.max_queue), ("--max-num-seqs", args.max_num_seqs),
@@ -219,17 +222,23 @@ def _serve_replicas(args, model_ref: str, api_key: str | None) -> int:
 
     name = args.served_model_name or args.model
 
+    ports = _free_ports(args.replicas)
+
     def command(port: int) -> list[str]:
+        device = args.device
+        if args.tp > 1 and device.startswith("cuda"):  # replica i: its own K GPUs
+            from stages.serving.tp import rank_device
+
+            device = rank_device(device, ports.index(port) * args.tp)
         cmd = [sys.executable, "-m", "flows.cli", "serve-model", model_ref, "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", name, "--max-queue", str(args.max_queue),
-               "--max-num-seqs", str(args.max_num_seqs), "--device", args.device]
+               "--max-num-seqs", str(args.max_num_seqs), "--device", device, "--tp", str(args.tp)]
         if args.adapters:
             cmd += ["--adapters", args.adapters]
         if args.tokenizer:
             cmd += ["--tokenizer", args.tokenizer]
         return cmd
 
-    ports = _free_ports(args.replicas)
     router = Router(args.replicas, args.routing, prefix_chars=args.prefix_chars)
     print(f"serve-model: {args.replicas} replicas on 127.0.0.1 ports {', '.join(map(str, ports))}, "
           f"routing {router.policy}", file=sys.stderr)
@@ -243,10 +252,9 @@ def cmd_serve_model(args) -> int:
 
     import torch
 
-    from core.model.config import ModelConfig
     from registry.hf import CheckpointError
-    from stages.common import StageError, load_model, load_tokenizer, resolve_model_dir
-    from stages.serving.server import EngineSettings, load_adapters, make_state, parse_adapters, serve
+    from stages.common import StageError, resolve_model_dir
+    from stages.serving.server import EngineSettings, load_served, make_state, parse_adapters, serve
 
     problem = _check_serve_args(args)
     if problem:
@@ -268,6 +276,10 @@ def cmd_serve_model(args) -> int:
         is_preset = resolve_model_dir(model_ref)[0] is None
         adapters = parse_adapters(args.adapters)
         api_key = args.api_key or os.environ.get("POSTTRAIN_API_KEY") or None
+        if args.tp > 1:
+            from stages.serving.tp import check_tp
+
+            check_tp(model_ref, args.tp, args.device, replicas=args.replicas)
         if args.replicas > 1:  # the replicas load the model; here only what would fail in each of them
             if is_preset:
                 from core.model import get_preset
@@ -282,17 +294,17 @@ def cmd_serve_model(args) -> int:
             if api_key is None:
                 print("serve-model: no --api-key / POSTTRAIN_API_KEY: every route is open", file=sys.stderr)
             return _serve_replicas(args, model_ref, api_key)
-        model, _ = load_model(ModelConfig(name_or_path=model_ref), torch.device(args.device))
-        if args.tokenizer is None and is_preset:
-            from flows.byte_tokenizer import byte_tokenizer
+        if args.tp > 1:
+            from stages.serving.tp import serve_tp
 
-            try:
-                tok = byte_tokenizer(model.args.vocab_size)
-            except ValueError as e:
-                raise StageError(f"preset {args.model!r}: {e}; pass --tokenizer DIR") from None
-        else:
-            tok = load_tokenizer(args.tokenizer, model_ref)
-        names = load_adapters(model, adapters)
+            if api_key is None:
+                print("serve-model: no --api-key / POSTTRAIN_API_KEY: every route is open", file=sys.stderr)
+            spec = {"model": model_ref, "tokenizer": args.tokenizer, "shown_as": args.model, "device": args.device,
+                    "adapters": {name: str(path) for name, path in adapters.items()},
+                    "engine": {"max_num_seqs": args.max_num_seqs}}
+            return serve_tp(spec, args.tp, args.served_model_name or args.model, args.host, args.port, api_key,
+                            args.max_queue)
+        model, tok, names = load_served(model_ref, args.tokenizer, adapters, torch.device(args.device), args.model)
         state = make_state(model, tok, args.served_model_name or args.model, names, api_key=api_key, max_queue=args.max_queue,
                            engine=EngineSettings(max_num_seqs=args.max_num_seqs))
     except (StageError, CheckpointError, ValueError) as e:
@@ -370,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI for models:/ references")
     p.add_argument("--registry-cache", default="runs/.registry", help="where models:/ references are downloaded")
     p.add_argument("--served-model-name", default=None, help="the base model's id in the API (default: MODEL)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="K > 1: one replica split by tensor parallelism over K processes (gloo on CPU, NCCL on "
+                        "CUDA: GPUs B..B+K-1 for --device cuda:B)")
     p.add_argument("--replicas", type=int, default=1,
                    help="N > 1: N server processes on loopback ports behind a front end on --host/--port")
     p.add_argument("--routing", choices=["least-loaded", "prefix"], default="least-loaded",

@@ -7,4 +7,5 @@
     server                adapters onto the base, the state, uvicorn
     routing.Router        which replica gets a request (least outstanding tokens, or by prompt prefix)
     frontend              --replicas N: the replica processes, their supervisor, the proxying front end
+    tp                    --tp K: one replica over K processes, the model split by tensor parallelism
 """

@@ -7,7 +7,7 @@ import logging
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -45,6 +45,28 @@ def load_adapters(model: torch.nn.Module, adapters: dict[str, Path]) -> list[str
     return list(adapters)
 
 
+def load_served(model_ref: str, tokenizer_dir: str | None, adapters: dict[str, Path], device: torch.device,
+                shown_as: str | None = None) -> tuple[Any, Any, list[str]]:
+    """(model, tokenizer, adapter names) for serve-model: the model on `device` with its adapters
+    loaded; a preset without --tokenizer gets the built-in byte-level ChatML tokenizer.
+    StageError / CheckpointError when something cannot be loaded."""
+    from core.model.config import ModelConfig
+    from stages.common import StageError, load_model, load_tokenizer, resolve_model_dir
+
+    is_preset = resolve_model_dir(model_ref)[0] is None
+    model, _ = load_model(ModelConfig(name_or_path=model_ref), device)
+    if tokenizer_dir is None and is_preset:
+        from flows.byte_tokenizer import byte_tokenizer
+
+        try:
+            tok = byte_tokenizer(model.args.vocab_size)
+        except ValueError as e:
+            raise StageError(f"preset {shown_as or model_ref!r}: {e}; pass --tokenizer DIR") from None
+    else:
+        tok = load_tokenizer(tokenizer_dir, model_ref)
+    return model, tok, load_adapters(model, adapters)
+
+
 @dataclass
 class EngineSettings:
     max_num_seqs: int = 16
@@ -53,9 +75,23 @@ class EngineSettings:
     max_batch_tokens: int = 1024
 
 
+def engine_factory(model, tokenizer, engine: EngineSettings) -> Callable[[], Engine]:
+    """A fresh Engine over `model` per call (the same settings every time: the ranks of a
+    tensor-parallel replica build theirs with this too)."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+
+    def make_engine() -> Engine:
+        return Engine(model, max_num_seqs=engine.max_num_seqs, block_size=engine.block_size,
+                      num_blocks=engine.num_blocks, max_batch_tokens=engine.max_batch_tokens, decode=decode)
+
+    return make_engine
+
+
 def make_state(model, tokenizer, model_id: str, adapters: list[str], api_key: str | None = None,
-               max_queue: int = 64, engine: EngineSettings | None = None) -> ServerState:
-    """The server's state, its engine thread started (stop it with state.worker.stop())."""
+               max_queue: int = 64, engine: EngineSettings | None = None,
+               make_worker: Callable[[Callable[[], Engine]], EngineWorker] = EngineWorker) -> ServerState:
+    """The server's state, its engine thread started (stop it with state.worker.stop()).
+    make_worker: engine factory -> the worker (stages.serving.tp's for a tensor-parallel replica)."""
     engine = engine or EngineSettings()
     if model_id in adapters:
         raise ValueError(f"adapter name {model_id!r} is the base model's id")
@@ -64,13 +100,7 @@ def make_state(model, tokenizer, model_id: str, adapters: list[str], api_key: st
     if tokenizer.vocab_size > vocab:
         log.warning("the tokenizer has %d ids, the model %d: ids past the model's are refused",
                     tokenizer.vocab_size, vocab)
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-
-    def make_engine() -> Engine:
-        return Engine(model, max_num_seqs=engine.max_num_seqs, block_size=engine.block_size,
-                      num_blocks=engine.num_blocks, max_batch_tokens=engine.max_batch_tokens, decode=decode)
-
-    worker = EngineWorker(make_engine).start()
+    worker = make_worker(engine_factory(model, tokenizer, engine)).start()
     limits = Limits(vocab_size=vocab, context=model.args.max_position_embeddings,
                     max_n=min(MAX_N, engine.max_num_seqs))
     return ServerState(model_id, list(adapters), tokenizer, worker, limits, api_key=api_key, max_queue=max_queue,
@@ -84,6 +114,7 @@ def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, sock: s
 
     server = uvicorn.Server(uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
                                            access_log=False, lifespan="off"))
+    state.worker.on_fatal = lambda: setattr(server, "should_exit", True)
     try:
         server.run(sockets=[sock] if sock is not None else None)
     finally:

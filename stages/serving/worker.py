@@ -41,6 +41,10 @@ class EngineWorker:
         self.inbox: queue.Queue = queue.Queue()
         self.sinks: dict[int, Sink] = {}
         self.num_failures = 0
+        self.fatal: BaseException | None = None
+        """Set when the replica cannot go on (stages.serving.tp: a rank of its group failed)."""
+        self.on_fatal: Callable[[], None] | None = None
+        """Called (on the engine thread) once `fatal` is set; the server stops on it."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -69,42 +73,49 @@ class EngineWorker:
 
     # ------------------------------------------------------------ the engine thread
 
-    def _admit(self, item) -> None:
+    def _admit(self, item) -> int | None:
+        """Add a queued request to the engine; its id, or None when the engine refused it."""
         prompt, params, sink = item
         try:
             rid = self.engine.add_request(prompt, params)
         except Exception as e:  # noqa: BLE001 - a refused request fails alone
             sink.error(e)
-            return
+            return None
         self.sinks[rid] = sink
+        return rid
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, wait: float | None) -> None:
+        """Admit what is queued; wait: seconds to wait for the first item (0: none, None: forever)."""
         while not self._stop.is_set():
             try:
-                item = self.inbox.get(block=block)
+                item = self.inbox.get(block=wait != 0, timeout=wait or None)
             except queue.Empty:
                 return
-            block = False
+            wait = 0
             if item is not None:
                 self._admit(item)
 
+    def _step(self) -> None:
+        """One engine step, its tokens and finished requests reported to their sinks."""
+        finished = self.engine.step()
+        progress: dict[int, list] = {}
+        for rid, index, token, logp, tops in self.engine.step_tokens:
+            progress.setdefault(rid, []).append((index, token, logp, tops))
+        for rid, events in progress.items():
+            if rid in self.sinks:
+                self._call(self.sinks[rid].tokens, events)
+        for out in finished:
+            sink = self.sinks.pop(out.request_id, None)
+            if sink is not None:
+                self._call(sink.done, out)
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not self.engine.has_unfinished())
+            self._drain(None if not self.engine.has_unfinished() else 0)
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
             try:
-                finished = self.engine.step()
-                progress: dict[int, list] = {}
-                for rid, index, token, logp, tops in self.engine.step_tokens:
-                    progress.setdefault(rid, []).append((index, token, logp, tops))
-                for rid, events in progress.items():
-                    if rid in self.sinks:
-                        self._call(self.sinks[rid].tokens, events)
-                for out in finished:
-                    sink = self.sinks.pop(out.request_id, None)
-                    if sink is not None:
-                        self._call(sink.done, out)
+                self._step()
             except Exception as e:  # noqa: BLE001 - fail the engine's requests, keep serving
                 log.exception("engine step failed; failing %d requests and starting a fresh engine", len(self.sinks))
                 self.num_failures += 1
