@@ -213,8 +213,9 @@ def _free_ports(n: int) -> list[int]:
 
 def _resolve_model(ref: str, args) -> tuple[str, str, bool]:
     """(what a server loads, which version that is, whether it is a preset) for a MODEL reference:
-    a registered model (`models:/name@alias`, fetched into --registry-cache), a stage output or
-    HF directory, a preset name. StageError when it names nothing servable."""
+    a registered model (`models:/name@alias`, fetched into --registry-cache; its version
+    'name/v3 run ID'), a stage output or HF directory (its real path, both), a preset name.
+    StageError when it names nothing servable."""
     from stages.common import StageError, resolve_model_dir
 
     local, version = ref, ref
@@ -229,7 +230,11 @@ def _resolve_model(ref: str, args) -> tuple[str, str, bool]:
             raise StageError(str(e)) from None
         print(f"serve-model: {ref} is {version} at {path}", file=sys.stderr)
         local = str(path)
-    return local, version, resolve_model_dir(local)[0] is None
+    if resolve_model_dir(local)[0] is None:
+        return local, version, True
+    if version == ref:  # a directory: its real path (a `current` symlink moved to a new checkpoint is a new version)
+        local = version = str(Path(local).resolve())
+    return local, version, False
 
 
 def _serve_replicas(args, model_ref: str, version: str, api_key: str | None) -> int:
