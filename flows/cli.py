@@ -215,8 +215,36 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _serve_replicas(args, model_ref: str, api_key: str | None) -> int:
-    """--replicas N > 1: N `serve-model` processes on loopback ports behind one front end."""
+def _resolve_model(ref: str, args) -> tuple[str, str, bool]:
+    """(what a server loads, which version that is, whether it is a preset) for a MODEL reference:
+    a registered model (`models:/name@alias`, fetched into --registry-cache; its version
+    'name/v3 run ID'), a stage output or HF directory (its real path, both), a preset name.
+    StageError when it names nothing servable."""
+    from stages.common import StageError, resolve_model_dir
+
+    local, version = ref, ref
+    if ref.startswith("models:/"):  # a registered MLflow model, fetched into a local cache
+        from core.tracking.config import default_tracking_uri
+        from registry.mlflow_registry import fetch_registered
+
+        try:
+            path, version = fetch_registered(args.tracking_uri or default_tracking_uri(), ref,
+                                             Path(args.registry_cache))
+        except RuntimeError as e:
+            raise StageError(str(e)) from None
+        print(f"serve-model: {ref} is {version} at {path}", file=sys.stderr)
+        local = str(path)
+    if resolve_model_dir(local)[0] is None:
+        return local, version, True
+    if version == ref:  # a directory: its real path (a `current` symlink moved to a new checkpoint is a new version)
+        local = version = str(Path(local).resolve())
+    return local, version, False
+
+
+def _serve_replicas(args, model_ref: str, version: str, api_key: str | None) -> int:
+    """--replicas N > 1: N `serve-model` processes on loopback ports behind one front end; a
+    reload (POST /admin/reload, SIGHUP) resolves its reference with `_resolve_model`."""
+    from stages.common import StageError, resolve_model_dir
     from stages.serving.frontend import serve_replicas
     from stages.serving.routing import Router
 
@@ -224,13 +252,24 @@ def _serve_replicas(args, model_ref: str, api_key: str | None) -> int:
 
     ports = _free_ports(args.replicas)
 
-    def command(port: int) -> list[str]:
+    def resolve(ref: str) -> tuple[str, str]:
+        try:
+            local, found, is_preset = _resolve_model(ref, args)
+            if is_preset:
+                _check_preset(local)
+            elif not (resolve_model_dir(local)[0] / "config.json").exists():  # what a replica would die on
+                raise StageError(f"model {ref!r}: {resolve_model_dir(local)[0]} has no config.json")
+        except StageError as e:
+            raise ValueError(str(e)) from None
+        return local, found
+
+    def command(port: int, model: str) -> list[str]:
         device = args.device
         if args.tp > 1 and device.startswith("cuda"):  # replica i: its own K GPUs
             from stages.serving.tp import rank_device
 
             device = rank_device(device, ports.index(port) * args.tp)
-        cmd = [sys.executable, "-m", "flows.cli", "serve-model", model_ref, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "flows.cli", "serve-model", model, "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", name, "--max-queue", str(args.max_queue),
                "--max-num-seqs", str(args.max_num_seqs), "--device", device, "--tp", str(args.tp)]
         if args.adapters:
@@ -243,8 +282,19 @@ def _serve_replicas(args, model_ref: str, api_key: str | None) -> int:
     print(f"serve-model: {args.replicas} replicas on 127.0.0.1 ports {', '.join(map(str, ports))}, "
           f"routing {router.policy}", file=sys.stderr)
     serve_replicas(command, ports, router, host=args.host, port=args.port, api_key=api_key,
-                   max_retries=args.max_retries, request_timeout=args.request_timeout)
+                   max_retries=args.max_retries, request_timeout=args.request_timeout, ref=args.model,
+                   model=model_ref, version=version, resolve=resolve, drain_timeout_s=args.drain_timeout)
     return 0
+
+
+def _check_preset(name: str) -> None:
+    from core.model import get_preset
+    from stages.common import StageError
+
+    try:
+        get_preset(name)
+    except KeyError as e:
+        raise StageError(str(e.args[0])) from None
 
 
 def cmd_serve_model(args) -> int:
@@ -253,7 +303,7 @@ def cmd_serve_model(args) -> int:
     import torch
 
     from registry.hf import CheckpointError
-    from stages.common import StageError, resolve_model_dir
+    from stages.common import StageError
     from stages.serving.server import EngineSettings, load_served, make_state, parse_adapters, serve
 
     problem = _check_serve_args(args)
@@ -261,19 +311,7 @@ def cmd_serve_model(args) -> int:
         print(f"serve-model: {problem}", file=sys.stderr)
         return 2
     try:
-        model_ref = args.model
-        if model_ref.startswith("models:/"):  # a registered MLflow model, fetched into a local cache
-            from core.tracking.config import default_tracking_uri
-            from registry.mlflow_registry import fetch_registered
-
-            try:
-                local, version = fetch_registered(args.tracking_uri or default_tracking_uri(), model_ref,
-                                                  Path(args.registry_cache))
-            except RuntimeError as e:
-                raise StageError(str(e)) from None
-            print(f"serve-model: {model_ref} is {version} at {local}", file=sys.stderr)
-            model_ref = str(local)
-        is_preset = resolve_model_dir(model_ref)[0] is None
+        model_ref, version, is_preset = _resolve_model(args.model, args)
         adapters = parse_adapters(args.adapters)
         api_key = args.api_key or os.environ.get("POSTTRAIN_API_KEY") or None
         if args.tp > 1:
@@ -282,18 +320,13 @@ def cmd_serve_model(args) -> int:
             check_tp(model_ref, args.tp, args.device, replicas=args.replicas)
         if args.replicas > 1:  # the replicas load the model; here only what would fail in each of them
             if is_preset:
-                from core.model import get_preset
-
-                try:
-                    get_preset(model_ref)
-                except KeyError as e:
-                    raise StageError(str(e.args[0])) from None
+                _check_preset(model_ref)
             missing = [str(p) for p in adapters.values() if not p.exists()]
             if missing:
                 raise StageError(f"--adapters: no such directory: {', '.join(missing)}")
             if api_key is None:
                 print("serve-model: no --api-key / POSTTRAIN_API_KEY: every route is open", file=sys.stderr)
-            return _serve_replicas(args, model_ref, api_key)
+            return _serve_replicas(args, model_ref, version, api_key)
         if args.tp > 1:
             from stages.serving.tp import serve_tp
 
@@ -394,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replicas: times a non-streaming request is sent again when its replica's connection fails")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="replicas: seconds the front end waits for a replica's answer (between stream events)")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="replicas, reload: seconds a replica's in-flight requests get to finish before it restarts")
     p.set_defaults(func=cmd_serve_model)
     return parser
 

@@ -5,6 +5,7 @@
     full   429 with Retry-After: 3 (its queue is full)
     die    the process exits mid-request (before any answer; a stream after its first event)
     hang   never answers
+    exit   exits at once, with status 3 (a model that does not load)
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 PORT, MODE = int(sys.argv[1]), sys.argv[2]
+if MODE == "exit":
+    sys.exit(3)
 EVENT = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "fake",
          "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}]}
 

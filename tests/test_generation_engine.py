@@ -454,3 +454,34 @@ def test_step_tokens_report_each_appended_token(llama):
                 assert logp is None and tops is None
     assert seen == {(o.request_id, c.index): c.tokens for o in outs.values() for c in o.completions}
     assert len(seen) == 3 and outs[r0].completions[0].tokens == tokens(engine.generate([p0], GREEDY))[0][:6]
+
+
+def test_abort_frees_a_request_and_leaves_the_others_alone(llama):
+    """Abort one mid chunked prefill, running ones (one forked) and a waiting one: their blocks come
+    back, they give no output, the request that stays gets its greedy tokens."""
+    long, keep, forked, waiting = prompts_of([40, 5, 9, 4], seed=3)
+    engine = Engine(llama, max_num_seqs=4, block_size=4, num_blocks=64, max_batch_tokens=24)
+    sched, ids = engine.scheduler, lambda seqs: {s.request.request_id for s in seqs}
+    lng = engine.add_request(long, GREEDY)
+    k = engine.add_request(keep, GREEDY)
+    f = engine.add_request(forked, RequestParams(n=2, max_tokens=12, seed=1))
+    w = engine.add_request(waiting, GREEDY)  # seats: 1 + 1 + 2 = 4, none left for it
+    engine.step()  # 24 of the long prompt's 40 tokens
+    assert ids(sched.running) == {lng} and sched.running[0].pending == 16 and engine.blocks.num_used == 6
+    assert engine.abort(lng)
+    assert engine.blocks.num_used == 0  # (its full blocks stay cached, evictable)
+    engine.step()
+    engine.step()
+    assert len(sched.running) == 4 and ids(sched.running) == {k, f, w}  # f forked into 2
+    late = engine.add_request(prompts_of([7], seed=4)[0], GREEDY)
+    engine.step()
+    assert ids(sched.waiting) == {late}  # no seat
+    assert engine.abort(late) and engine.abort(f) and engine.abort(w)
+    assert not engine.abort(f) and not engine.abort(12345)  # gone / never there
+    assert ids((*sched.running, *sched.waiting)) == {k}
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == [k] and not engine.requests
+    assert outs[0].completions[0].tokens == reference(llama, [keep])[0]
+    assert_pool_empty(engine)

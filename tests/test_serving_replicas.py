@@ -153,7 +153,7 @@ class Frontend:
     def __init__(self, modes, api_key=None, **kw):
         ports = free_ports(len(modes))
         mode_of = dict(zip(ports, modes))
-        self.sup = Supervisor(lambda port: [sys.executable, str(ROOT / "tests" / "fake_replica.py"), str(port),
+        self.sup = Supervisor(lambda port, model: [sys.executable, str(ROOT / "tests" / "fake_replica.py"), str(port),
                                             mode_of[port]], ports, Router(len(modes)), health_interval=0.2)
         self.app = build_frontend(self.sup, api_key=api_key, **kw)
         self.sock = socket.socket()

@@ -280,6 +280,46 @@ def test_two_requests_interleave_in_the_tp_engine(server, reference):
 
 
 @pytest.mark.slow
+def test_a_closed_stream_is_aborted_on_every_rank(server, reference):
+    """A client leaves a long stream while another request runs: rank 0 aborts it and tells the
+    followers (an `abort` op), so the ranks stay in step; the request beside it, and one after,
+    still answer token for token like one process, and the aborted request's blocks come back."""
+    from tests.test_serving_replicas import metric
+
+    client = server.client()
+    tok = reference.tok
+
+    def blocks_free():
+        return metric(httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text,
+                      "posttrain_serve_kv_blocks_free")
+
+    free0 = blocks_free()
+    beside_p = "beside the abort: "
+    _, _, beside_want = reference(tok.encode(beside_p, add_special_tokens=False), 40)
+    beside: list = []
+    t = threading.Thread(target=lambda: beside.append(
+        client.completions.create(model="debug", prompt=beside_p, max_tokens=40, temperature=0).choices[0].text))
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "debug", "prompt": "leave me early: ", "max_tokens": 400, "temperature": 0,
+                            "stream": True}, timeout=60) as r:
+        for i, _line in enumerate(r.iter_lines()):
+            if i == 2:
+                t.start()
+            if i == 6:
+                break  # the connection drops mid-stream
+    t.join(60)
+    assert beside == beside_want
+    _, _, after_want = reference(tok.encode("after: ", add_special_tokens=False), 8)
+    assert client.completions.create(model="debug", prompt="after: ", max_tokens=8,
+                                     temperature=0).choices[0].text == after_want[0]
+    deadline = time.time() + 10
+    while blocks_free() != free0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert blocks_free() == free0
+    assert "Traceback" not in server.text()
+
+
+@pytest.mark.slow
 def test_a_follower_dying_fails_its_requests_cleanly_and_rank0_exits_1(checkpoint, tmp_path):
     s = TPServer(checkpoint, tmp_path / "serve.log")
     try:

@@ -85,6 +85,16 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort(self, request_id: int) -> bool:
+        """Stop a request (its client went away): its sequences leave the scheduler, their blocks
+        return to the pool, it produces no RequestOutput. False when it is not in the engine
+        (finished, or never added)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """One model call over the scheduled batch; the requests it finished (and, in

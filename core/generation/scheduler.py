@@ -171,3 +171,14 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.table)
+
+    def abort(self, request_id: int) -> int:
+        """Drop every sequence of a request, running or waiting, freeing its blocks; how many."""
+        seqs = [s for s in (*self.running, *self.waiting) if s.request.request_id == request_id]
+        for seq in seqs:
+            if seq in self.running:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            self.blocks.free(seq.table)  # a waiting sequence holds none (never started or preempted)
+        return len(seqs)

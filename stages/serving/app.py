@@ -4,7 +4,9 @@
 Each request is checked (stages.serving.protocol), counted against `max_queue` (429 beyond it),
 submitted to the worker, and answered from the events the engine thread posts back onto the
 event loop (`loop.call_soon_threadsafe` into an asyncio.Queue per request): one JSON body, or
-server-sent events (`data: {...}` chunks, then `data: [DONE]`).
+server-sent events (`data: {...}` chunks, then `data: [DONE]`). A client that goes away before
+its answer (the stream cancelled by Starlette on `http.disconnect`, or, waiting for one JSON
+body, an `http.disconnect` from `request.receive()`) has its request aborted in the engine (`Pending.cancel`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from core.generation import RequestOutput
@@ -48,6 +50,12 @@ class Metrics:
         self.engine_failures = Gauge("posttrain_serve_engine_failures", "engine steps that raised",
                                      registry=r)
         self.engine_failures.set_function(lambda: worker.num_failures)
+        Gauge("posttrain_serve_cancelled_requests", "requests aborted in the engine because the client went away",
+              registry=r).set_function(lambda: worker.num_cancelled)
+        Gauge("posttrain_serve_kv_blocks_free", "KV cache blocks free (or cached and evictable)",
+              registry=r).set_function(lambda: worker.engine.blocks.num_free)
+        Gauge("posttrain_serve_kv_blocks", "KV cache blocks in the pool",
+              registry=r).set_function(lambda: worker.engine.blocks.num_blocks)
 
 
 @dataclass
@@ -80,10 +88,16 @@ class Pending:
         state.inflight += 1
         state.metrics.prompt_tokens.inc(len(parsed.prompt))
         post = self.loop.call_soon_threadsafe
-        state.worker.submit(parsed.prompt, parsed.params,
-                            Sink(tokens=lambda ev: post(self._on, "tokens", ev),
-                                 done=lambda out: post(self._on, "done", out),
-                                 error=lambda e: post(self._on, "error", e)))
+        self.sink = Sink(tokens=lambda ev: post(self._on, "tokens", ev), done=lambda out: post(self._on, "done", out),
+                         error=lambda e: post(self._on, "error", e))
+        state.worker.submit(parsed.prompt, parsed.params, self.sink)
+
+    def cancel(self) -> None:
+        """The client went away: abort the request in the engine (nothing once it has ended)."""
+        if not self.ended:
+            self.ended = True
+            self.state.inflight -= 1
+            self.state.worker.cancel(self.sink)
 
     def _on(self, kind: str, payload) -> None:
         if kind == "tokens":
@@ -96,13 +110,31 @@ class Pending:
             self.state.inflight -= 1
         self.events.put_nowait((kind, payload))
 
-    async def result(self) -> RequestOutput:
+    async def result(self, request: Request) -> RequestOutput | None:
+        """The request's output; None (and the request aborted) once the client has disconnected."""
+        waiter, listener = asyncio.ensure_future(self._result()), asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait({waiter, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this task is cancelled
+            listener.cancel()
+            if not waiter.done():
+                waiter.cancel()
+                self.cancel()
+        return waiter.result() if waiter.done() and not waiter.cancelled() else None
+
+    async def _result(self) -> RequestOutput:
         while True:
             kind, payload = await self.events.get()
             if kind == "done":
                 return payload
             if kind == "error":
                 raise _engine_error(payload)
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone away (the body is read: nothing else can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _engine_error(e: BaseException) -> APIError:
@@ -221,22 +253,24 @@ def build_app(state: ServerState) -> FastAPI:
         parsed = parse_completion(parse_json(await request.body()), state.limits,
                                   lambda text: state.tokenizer.encode(text, add_special_tokens=False))
         admit(parsed)
-        return await answer(parsed, chat=False)
+        return await answer(request, parsed, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         render = lambda messages: state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # noqa: E731
         parsed = parse_chat(parse_json(await request.body()), state.limits, render)
         admit(parsed)
-        return await answer(parsed, chat=True)
+        return await answer(request, parsed, chat=True)
 
-    async def answer(parsed: Parsed, chat: bool):
+    async def answer(request: Request, parsed: Parsed, chat: bool):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         pending = Pending(state, parsed)
         if parsed.stream:
             return StreamingResponse(stream(pending, rid, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        out = await pending.result()
+        out = await pending.result(request)
+        if out is None:  # nobody to answer
+            return Response(status_code=499)
         choices = []
         for c in out.completions:
             text, reason = final_text(c.tokens, state.decode, parsed.stops, c.finish_reason)
@@ -270,36 +304,39 @@ def build_app(state: ServerState) -> FastAPI:
                 return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
             return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": reason}
 
-        if chat:
-            yield chunk([choice(i, None, None, role=True) for i in range(n)])
-        while True:
-            kind_, payload = await pending.events.get()
-            if kind_ == "error":
-                err = _engine_error(payload)
-                yield f"data: {json.dumps(err.body())}\n\n"
+        try:
+            if chat:
+                yield chunk([choice(i, None, None, role=True) for i in range(n)])
+            while True:
+                kind_, payload = await pending.events.get()
+                if kind_ == "error":
+                    err = _engine_error(payload)
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    break
+                if kind_ == "tokens":
+                    out = []
+                    for index, token, logp, tops in payload:
+                        text = texts[index].push(token)
+                        lp = None
+                        if parsed.logprobs is not None:
+                            fmt = _chat_logprobs if chat else _completion_logprobs
+                            lp = fmt(state, [token], [logp], [tops] if parsed.logprobs else [])
+                        if text or lp is not None:
+                            out.append(choice(index, text, None, lp))
+                    if out:
+                        yield chunk(out)
+                    continue
+                result: RequestOutput = payload
+                ends = []
+                for c in result.completions:
+                    text, reason = final_text(c.tokens, state.decode, parsed.stops, c.finish_reason)
+                    ends.append(choice(c.index, texts[c.index].finish(text) or (None if chat else ""), reason))
+                yield chunk(ends)
+                if parsed.include_usage:
+                    yield chunk([], _usage(result))
                 break
-            if kind_ == "tokens":
-                out = []
-                for index, token, logp, tops in payload:
-                    text = texts[index].push(token)
-                    lp = None
-                    if parsed.logprobs is not None:
-                        fmt = _chat_logprobs if chat else _completion_logprobs
-                        lp = fmt(state, [token], [logp], [tops] if parsed.logprobs else [])
-                    if text or lp is not None:
-                        out.append(choice(index, text, None, lp))
-                if out:
-                    yield chunk(out)
-                continue
-            result: RequestOutput = payload
-            ends = []
-            for c in result.completions:
-                text, reason = final_text(c.tokens, state.decode, parsed.stops, c.finish_reason)
-                ends.append(choice(c.index, texts[c.index].finish(text) or (None if chat else ""), reason))
-            yield chunk(ends)
-            if parsed.include_usage:
-                yield chunk([], _usage(result))
-            break
+        finally:  # the client went away (Starlette cancels the stream) or it ended: a no-op then
+            pending.cancel()
         yield "data: [DONE]\n\n"
 
     return app

@@ -13,7 +13,13 @@ in its own process. The front end is a FastAPI app that
 - passes a 429 on (with Retry-After) only when every live replica refused the request;
 - supervises the replicas (`Supervisor`): a replica whose process exited is restarted on the same
   port (with a backoff while it keeps dying), one whose connection failed stops getting requests
-  until its /health answers again, one that stays unhealthy is killed and restarted.
+  until its /health answers again, one that stays unhealthy is killed and restarted;
+- rolls a new model version out without downtime (`POST /admin/reload`, SIGHUP): the new MODEL
+  reference is resolved first (a registry alias fetched; a bad one is refused and nothing
+  changes), then one replica at a time is drained (no new requests; its in-flight ones finish,
+  within `drain_timeout_s`), restarted on the new model and waited for until its /health
+  answers; a replica that does not come up is put back on its old model and the replicas
+  already rolled are rolled back. /health and /metrics say which version each replica runs.
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ class Replica:
     since: float = 0.0  # when it entered its state
     quick_deaths: int = 0  # deaths in a row before it became ready (the restart backoff)
     next_start: float = 0.0
+    model: str = ""  # what its process loads (a local path or preset)
+    version: str = ""  # which version that is (a registry "name/v3 run ...", else the reference)
+    reloads: int = 0  # restarts by a rollout
+    held: bool = False  # a rollout is stopping / starting it: the watcher leaves it alone
 
     @property
     def url(self) -> str:
@@ -84,6 +94,13 @@ class Metrics:
             ready.labels(i).set_function(lambda rep=rep: float(rep.state == "ready"))
             tokens.labels(i).set_function(lambda rep=rep: sup.router.loads[rep.index].tokens)
             inflight.labels(i).set_function(lambda rep=rep: sup.router.loads[rep.index].requests)
+        self.model = Gauge("posttrain_frontend_replica_model", "1 for the model version the replica runs",
+                           ["replica", "version"], registry=r)
+        self.replica_reloads = Counter("posttrain_frontend_replica_reloads", "replica restarts by a rollout",
+                                       label, registry=r)
+        self.reloads = Counter("posttrain_frontend_reloads", "reload requests by outcome: rolled, unchanged, "
+                               "refused (the model did not resolve), failed (a replica did not come up)",
+                               ["result"], registry=r)
         self.routed = Counter("posttrain_frontend_routed", "requests sent to the replica (retries included)", label,
                               registry=r)
         self.retried = Counter("posttrain_frontend_retried", "requests sent again after the replica's connection "
@@ -96,19 +113,38 @@ class Metrics:
         self.requests = Counter("posttrain_frontend_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
         for rep in sup.replicas:  # every series exists from the start
-            for c in (self.routed, self.retried, self.refused, self.restarts):
+            for c in (self.routed, self.retried, self.refused, self.restarts, self.replica_reloads):
                 c.labels(str(rep.index))
+            self.model.labels(str(rep.index), rep.version).set(1)
+        for result in ("rolled", "unchanged", "refused", "failed"):
+            self.reloads.labels(result)
+
+
+class RolloutError(RuntimeError):
+    """A replica did not come up on the new model."""
 
 
 class Supervisor:
-    """Starts the replica processes, watches them, restarts the dead, tells the router who is live."""
+    """Starts the replica processes, watches them, restarts the dead, tells the router who is live,
+    rolls new model versions out.
 
-    def __init__(self, command: Callable[[int], list[str]], ports: list[int], router: Router,
+    command(port, model): a replica's argv. resolve(ref) -> (model, version): what a MODEL
+    reference names now (run in a thread: it may download); ValueError when it names nothing
+    servable. `ref`, `model`, `version`: what the replicas start on."""
+
+    def __init__(self, command: Callable[[int, str], list[str]], ports: list[int], router: Router,
                  env: dict[str, str] | None = None, health_interval: float = 1.0, unhealthy_kill_s: float = 30.0,
-                 max_backoff_s: float = 30.0):
+                 max_backoff_s: float = 30.0, ref: str = "", model: str = "", version: str = "",
+                 resolve: Callable[[str], tuple[str, str]] | None = None, drain_timeout_s: float = 60.0,
+                 ready_timeout_s: float = 180.0):
         self.command, self.router, self.env = command, router, env
-        self.replicas = [Replica(i, p) for i, p in enumerate(ports)]
+        self.replicas = [Replica(i, p, model=model, version=version or model) for i, p in enumerate(ports)]
         self.health_interval, self.unhealthy_kill_s, self.max_backoff_s = health_interval, unhealthy_kill_s, max_backoff_s
+        self.ref, self.resolve = ref or model, resolve or (lambda ref: (ref, ref))
+        self.drain_timeout_s, self.ready_timeout_s = drain_timeout_s, ready_timeout_s
+        self.rollout: dict = {"state": "idle"}
+        self._rolling: asyncio.Task | None = None
+        self._reloading = False
         self.metrics = Metrics(self)
         self.stopping = False
         self._last_check = [0.0] * len(ports)
@@ -121,7 +157,7 @@ class Supervisor:
         self.router.set_live(rep.index, state == "ready")
 
     def start(self, rep: Replica) -> None:
-        rep.proc = subprocess.Popen(self.command(rep.port), env=self.env, start_new_session=True,
+        rep.proc = subprocess.Popen(self.command(rep.port, rep.model), env=self.env, start_new_session=True,
                                     preexec_fn=_die_with_parent)
         rep.started = time.monotonic()
         self._set(rep, "starting")
@@ -142,6 +178,8 @@ class Supervisor:
             await asyncio.sleep(0.2)
 
     async def _check(self, rep: Replica, client: httpx.AsyncClient) -> None:
+        if rep.held:
+            return
         now = time.monotonic()
         if rep.proc is not None and rep.proc.poll() is not None:  # the process is gone
             if rep.state != "dead":
@@ -170,23 +208,134 @@ class Supervisor:
             log.warning("replica %d has not answered /health for %.0f s: killing it", rep.index, now - rep.since)
             rep.proc.kill()
 
+    # ------------------------------------------------------------ rolling updates
+
+    async def reload(self, ref: str | None = None, force: bool = False) -> dict:
+        """Resolve `ref` (default: the current reference again, e.g. an alias that has moved) and
+        start rolling it out; the rollout's status. APIError when it cannot start: 409 while
+        another reload runs, 400 when the reference does not resolve (nothing changes then).
+        Unless `force`, a reference that resolves to what every replica runs rolls nothing."""
+        if self._reloading:
+            raise APIError(409, f"a reload is already under way: {self.rollout}", code="reload_in_progress")
+        self._reloading = True
+        try:
+            ref = ref or self.ref
+            try:
+                model, version = await asyncio.to_thread(self.resolve, ref)
+            except Exception as e:  # noqa: BLE001 - any failure to resolve leaves the replicas alone
+                self.metrics.reloads.labels("refused").inc()
+                log.warning("reload of %s refused: %s", ref, e)
+                status = 400 if isinstance(e, ValueError) else 502
+                raise APIError(status, f"cannot reload {ref!r}: {e}; the replicas keep serving "
+                                       f"{self.versions()}", type="invalid_request_error" if status == 400
+                               else "server_error", code="model_unavailable") from None
+            if not force and all(r.model == model and r.version == version for r in self.replicas):
+                self.metrics.reloads.labels("unchanged").inc()
+                self.ref = ref
+                return {"state": "unchanged", "ref": ref, "version": version}
+            self.rollout = {"state": "rolling", "ref": ref, "version": version, "from": self.versions(),
+                            "replica": None, "error": None, "started": time.time(), "finished": None}
+            self._rolling = asyncio.create_task(self._roll(ref, model, version))
+            return dict(self.rollout)
+        finally:
+            if self._rolling is None or self._rolling.done():
+                self._reloading = False
+
+    def versions(self) -> list[str]:
+        return [r.version for r in self.replicas]
+
+    async def _roll(self, ref: str, model: str, version: str) -> None:
+        rolled: list[tuple[Replica, str, str]] = []
+        try:
+            for rep in self.replicas:
+                self.rollout["replica"] = rep.index
+                old = (rep.model, rep.version)
+                await self._replace(rep, model, version)
+                rolled.append((rep, *old))
+            self.ref = ref
+            self.rollout.update(state="done", replica=None, finished=time.time())
+            self.metrics.reloads.labels("rolled").inc()
+            log.info("rolled %s (%s) out to every replica", ref, version)
+        except Exception as e:  # noqa: BLE001 - report it; the replicas go back to what they ran
+            log.error("rollout of %s failed: %s; rolling %d replicas back", ref, e, len(rolled))
+            self.rollout.update(state="failed", error=str(e))
+            self.metrics.reloads.labels("failed").inc()
+            for rep, old_model, old_version in reversed(rolled):
+                with contextlib.suppress(Exception):
+                    await self._replace(rep, old_model, old_version)
+            self.rollout.update(replica=None, finished=time.time())
+        finally:
+            self._reloading = False
+
+    async def _replace(self, rep: Replica, model: str, version: str) -> None:
+        """Drain the replica, restart it on `model`, wait until it is ready (RolloutError when it is
+        not: it is started on its old model again)."""
+        others = [r for r in self.replicas if r is not rep]
+        await self._wait(lambda: not others or any(r.state == "ready" for r in others), self.ready_timeout_s)
+        old = (rep.model, rep.version)
+        await self._restart(rep, model, version)
+        proc, deadline = rep.proc, time.monotonic() + self.ready_timeout_s
+        while rep.state != "ready":
+            if proc.poll() is not None or time.monotonic() > deadline or self.stopping:
+                why = f"exited with {proc.returncode}" if proc.poll() is not None else \
+                    f"not ready after {self.ready_timeout_s:g} s"
+                await self._restart(rep, *old)
+                raise RolloutError(f"replica {rep.index} did not come up on {version} ({why}); it is back on "
+                                   f"{old[1]}")
+            await asyncio.sleep(0.1)
+        log.info("replica %d (port %d) serves %s", rep.index, rep.port, version)
+
+    async def _restart(self, rep: Replica, model: str, version: str) -> None:
+        rep.held = True  # the watcher would mark it ready again, or restart it on its own
+        try:
+            self._set(rep, "draining")  # no new requests
+            load = self.router.loads[rep.index]
+            await self._wait(lambda: load.requests == 0, self.drain_timeout_s)
+            if load.requests:
+                log.warning("replica %d still has %d requests after %g s of draining; stopping it anyway",
+                            rep.index, load.requests, self.drain_timeout_s)
+            if rep.proc is not None:
+                await asyncio.to_thread(_terminate, [rep.proc])
+            with contextlib.suppress(KeyError):
+                self.metrics.model.remove(str(rep.index), rep.version)
+            rep.model, rep.version = model, version
+            self.metrics.model.labels(str(rep.index), version).set(1)
+            rep.reloads += 1
+            self.metrics.replica_reloads.labels(str(rep.index)).inc()
+            rep.quick_deaths = 0
+            self.start(rep)
+        finally:
+            rep.held = False
+
+    @staticmethod
+    async def _wait(cond: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     def stop(self, timeout: float = 15.0) -> None:
         self.stopping = True
-        procs = [r.proc for r in self.replicas if r.proc is not None and r.proc.poll() is None]
-        for p in procs:
-            p.terminate()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _terminate([r.proc for r in self.replicas if r.proc is not None], timeout)
 
     def describe(self) -> list[dict]:
         return [{"replica": r.index, "port": r.port, "state": r.state, "pid": r.proc.pid if r.proc else None,
-                 "restarts": r.restarts, "outstanding_tokens": self.router.loads[r.index].tokens,
+                 "restarts": r.restarts, "reloads": r.reloads, "model": r.model, "version": r.version,
+                 "outstanding_tokens": self.router.loads[r.index].tokens,
                  "inflight": self.router.loads[r.index].requests} for r in self.replicas]
+
+
+def _terminate(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
+    """SIGTERM (a replica finishes what it has), SIGKILL after `timeout`."""
+    procs = [p for p in procs if p.poll() is None]
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -198,7 +347,8 @@ def sse_error(e: APIError) -> bytes:
 
 
 def build_frontend(sup: Supervisor, api_key: str | None = None, max_retries: int = 2,
-                   request_timeout: float = 300.0) -> FastAPI:
+                   request_timeout: float = 300.0, reload_on_sighup: bool = False) -> FastAPI:
+    """reload_on_sighup: SIGHUP reloads the current reference (needs the main thread's loop)."""
     router, metrics = sup.router, sup.metrics
     timeout = httpx.Timeout(request_timeout, connect=5.0)
     holder: dict[str, httpx.AsyncClient] = {}
@@ -210,6 +360,8 @@ def build_frontend(sup: Supervisor, api_key: str | None = None, max_retries: int
         if all(r.proc is None for r in sup.replicas):
             sup.start_all()
         watcher = asyncio.create_task(sup.watch(client))
+        if reload_on_sighup:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, lambda: asyncio.create_task(on_sighup()))
         try:
             yield
         finally:
@@ -218,6 +370,13 @@ def build_frontend(sup: Supervisor, api_key: str | None = None, max_retries: int
             await asyncio.to_thread(sup.stop)
             await client.aclose()
 
+    async def on_sighup():
+        log.info("SIGHUP: reloading %s", sup.ref)
+        try:
+            await sup.reload()
+        except APIError as e:
+            log.error("SIGHUP reload: %s", e.body()["error"]["message"])
+
     app = FastAPI(title="posttrain serve-model (replicas)", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
 
@@ -225,7 +384,7 @@ def build_frontend(sup: Supervisor, api_key: str | None = None, max_retries: int
     async def guard(request: Request, call_next):
         path = request.url.path
         route = path if path in ("/health", "/metrics", "/v1/models", "/v1/completions",
-                                 "/v1/chat/completions") else "other"
+                                 "/v1/chat/completions", "/admin/reload") else "other"
         if not authorized(request, api_key):
             response = unauthorized()
         else:
@@ -248,8 +407,32 @@ def build_frontend(sup: Supervisor, api_key: str | None = None, max_retries: int
     @app.get("/health")
     async def health():
         ready = any(r.state == "ready" for r in sup.replicas)
-        return JSONResponse({"status": "ok" if ready else "unavailable", "replicas": sup.describe()},
-                            status_code=200 if ready else 503)
+        return JSONResponse({"status": "ok" if ready else "unavailable", "model": sup.ref, "rollout": sup.rollout,
+                             "replicas": sup.describe()}, status_code=200 if ready else 503)
+
+    @app.post("/admin/reload")
+    async def reload(request: Request):
+        """Body (optional): {"model": "<MODEL reference>", "force": false}. 202 and the rollout's
+        status once the reference resolved (the roll goes on in the background: GET this route or
+        /health to follow it); 200 when nothing changed."""
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("model", ""), str) \
+                or not isinstance(body.get("force", False), bool):
+            return _error(APIError(400, 'the body is optional; else {"model": "<MODEL reference>", "force": bool}',
+                                   code="invalid_body"))
+        try:
+            status = await sup.reload(body.get("model") or None, force=body.get("force", False))
+        except APIError as e:
+            return _error(e)
+        return JSONResponse(status, status_code=200 if status["state"] == "unchanged" else 202)
+
+    @app.get("/admin/reload")
+    async def reload_status():
+        return {**sup.rollout, "versions": sup.versions()}
 
     @app.get("/metrics")
     async def prometheus():
@@ -380,9 +563,10 @@ def _seconds(v: str) -> float:
         return 1.0
 
 
-def serve_replicas(command: Callable[[int], list[str]], ports: list[int], router: Router, host: str = "127.0.0.1",
+def serve_replicas(command: Callable[[int, str], list[str]], ports: list[int], router: Router, host: str = "127.0.0.1",
                    port: int = 8000, api_key: str | None = None, max_retries: int = 2, request_timeout: float = 300.0,
-                   log_level: str = "info") -> None:
+                   log_level: str = "info", ref: str = "", model: str = "", version: str = "",
+                   resolve: Callable[[str], tuple[str, str]] | None = None, drain_timeout_s: float = 60.0) -> None:
     """Run the front end (and, through its lifespan, the replicas) until uvicorn is told to stop."""
     import uvicorn
 
@@ -393,7 +577,9 @@ def serve_replicas(command: Callable[[int], list[str]], ports: list[int], router
     env.pop("POSTTRAIN_API_KEY", None)
     if api_key is not None:
         env["POSTTRAIN_API_KEY"] = api_key
-    sup = Supervisor(command, ports, router, env=env)
-    app = build_frontend(sup, api_key=api_key, max_retries=max_retries, request_timeout=request_timeout)
+    sup = Supervisor(command, ports, router, env=env, ref=ref, model=model, version=version, resolve=resolve,
+                     drain_timeout_s=drain_timeout_s)
+    app = build_frontend(sup, api_key=api_key, max_retries=max_retries, request_timeout=request_timeout,
+                         reload_on_sighup=True)
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                   lifespan="on", timeout_graceful_shutdown=10)).run()

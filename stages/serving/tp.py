@@ -8,13 +8,16 @@ deterministic given that: the logits are gathered, so greedy and seeded tokens a
 every rank, and so are the stop checks and finishes each rank makes itself. Rank 0 sends, once
 per loop of its engine thread, one message to the followers:
 
-    {"add": [{"prompt": [token ids], "params": {RequestParams' fields}}, ...], "step": true|false}
+    {"ops": [{"add": {"prompt": [token ids], "params": {RequestParams' fields}}}
+             | {"abort": request id}, ...], "step": true|false}
     {"stop": true}
 
 as JSON bytes in a uint8 tensor (its length first), broadcast over a gloo group of the ranks: no
-pickle. A request that asks to sample (temperature > 0) without a seed gets one from rank 0, so
-that every rank draws the same token. The serving stack has no aborts (a request runs to its
-end), so adds and steps are all there is to send.
+pickle. The ops are what rank 0 did to its engine since the last message, in its order: requests
+added, and requests aborted because their client went away (EngineWorker.cancel); the request
+ids agree on every rank because every engine numbers its requests in the order they are added.
+A request that asks to sample (temperature > 0) without a seed gets one from rank 0, so that
+every rank draws the same token.
 
 Idle, rank 0 sends an empty message every HEARTBEAT_S: the followers' receives never time out,
 and rank 0 notices within that time when a follower has exited. A failed collective or a dead
@@ -133,7 +136,7 @@ class TPEngineWorker(EngineWorker):
                  peers_alive: Callable[[], bool] = lambda: True, name: str = "engine-tp"):
         super().__init__(make_engine, name)
         self.channel, self.peers_alive = channel, peers_alive
-        self._added: list[dict] = []
+        self._ops: list[dict] = []  # what this engine was told since the last message, in order
         self._lock = threading.Lock()  # submit vs. _fail: nothing is queued after the last drain
 
     def submit(self, prompt, params, sink) -> None:
@@ -149,7 +152,13 @@ class TPEngineWorker(EngineWorker):
             params.seed = random.getrandbits(62)  # every rank must draw the same tokens
         rid = super()._admit(item)
         if rid is not None:  # refused ones (the engine's ValueError) are refused on rank 0 alone
-            self._added.append({"prompt": list(prompt), "params": encode_params(params)})
+            self._ops.append({"add": {"prompt": list(prompt), "params": encode_params(params)}})
+        return rid
+
+    def _cancel(self, sink) -> int | None:
+        rid = super()._cancel(sink)
+        if rid is not None:
+            self._ops.append({"abort": rid})
         return rid
 
     def _run(self) -> None:
@@ -160,9 +169,9 @@ class TPEngineWorker(EngineWorker):
                     break
                 if not self.peers_alive():
                     raise RuntimeError("a follower rank of the tensor-parallel group exited")
-                added, self._added = self._added, []
+                ops, self._ops = self._ops, []
                 step = self.engine.has_unfinished()
-                self.channel.send({"add": added, "step": step})
+                self.channel.send({"ops": ops, "step": step})
                 if step:
                     self._step()
             self.channel.send({"stop": True})
@@ -183,7 +192,7 @@ class TPEngineWorker(EngineWorker):
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            if isinstance(item, tuple):  # a request (not a cancel, not the stop's wake-up)
                 self._call(item[2].error, err)
         if self.on_fatal is not None:
             self._call(lambda _: self.on_fatal(), None)
@@ -231,8 +240,11 @@ def follow(engine: Engine, channel: Channel) -> None:
         msg = channel.recv()
         if msg.get("stop"):
             return
-        for a in msg["add"]:
-            engine.add_request(a["prompt"], decode_params(a["params"]))
+        for op in msg["ops"]:
+            if "add" in op:
+                engine.add_request(op["add"]["prompt"], decode_params(op["add"]["params"]))
+            else:
+                engine.abort(op["abort"])
         if msg["step"]:
             engine.step()
 

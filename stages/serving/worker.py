@@ -5,7 +5,8 @@ The engine is not thread-safe, so only this thread touches it. Callers `submit` 
 steps, steps while work exists and sleeps when there is none. After each step it reports the
 tokens the step appended (`Engine.step_tokens`) and the requests it finished. An exception from
 the engine fails every request in it (`Sink.error`) and the replica starts over on a fresh engine
-(`make_engine`), so one bad step never takes the server down.
+(`make_engine`), so one bad step never takes the server down. `cancel(sink)` aborts a request
+whose client went away (`Engine.abort`: its blocks are freed, it takes no more steps).
 
 A replica is self-contained (an engine factory in, callbacks out): a later load balancer runs
 several and picks one per request.
@@ -34,6 +35,11 @@ class Sink:
     error: Callable[[BaseException], None]
 
 
+@dataclass
+class _Cancel:
+    sink: Sink
+
+
 class EngineWorker:
     def __init__(self, make_engine: Callable[[], Engine], name: str = "engine"):
         self.make_engine = make_engine
@@ -41,6 +47,7 @@ class EngineWorker:
         self.inbox: queue.Queue = queue.Queue()
         self.sinks: dict[int, Sink] = {}
         self.num_failures = 0
+        self.num_cancelled = 0  # requests aborted in the engine by `cancel`
         self.fatal: BaseException | None = None
         """Set when the replica cannot go on (stages.serving.tp: a rank of its group failed)."""
         self.on_fatal: Callable[[], None] | None = None
@@ -61,6 +68,11 @@ class EngineWorker:
 
     def submit(self, prompt: list[int], params: RequestParams, sink: Sink) -> None:
         self.inbox.put((prompt, params, sink))
+
+    def cancel(self, sink: Sink) -> None:
+        """Abort the request submitted with `sink` (a no-op once it has finished); its callbacks
+        are not called again. Requests are admitted in order, so a cancel never overtakes its submit."""
+        self.inbox.put(_Cancel(sink))
 
     @property
     def alive(self) -> bool:
@@ -84,6 +96,15 @@ class EngineWorker:
         self.sinks[rid] = sink
         return rid
 
+    def _cancel(self, sink: Sink) -> int | None:
+        """Abort the request of `sink` in the engine; its id, or None when it had already finished."""
+        rid = next((r for r, s in self.sinks.items() if s is sink), None)
+        if rid is not None:
+            del self.sinks[rid]
+            self.engine.abort(rid)
+            self.num_cancelled += 1
+        return rid
+
     def _drain(self, wait: float | None) -> None:
         """Admit what is queued; wait: seconds to wait for the first item (0: none, None: forever)."""
         while not self._stop.is_set():
@@ -92,7 +113,9 @@ class EngineWorker:
             except queue.Empty:
                 return
             wait = 0
-            if item is not None:
+            if isinstance(item, _Cancel):
+                self._cancel(item.sink)
+            elif item is not None:
                 self._admit(item)
 
     def _step(self) -> None:
