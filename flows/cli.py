@@ -11,6 +11,7 @@
     posttrain serve-model MODEL [--adapters a=DIR]  OpenAI-compatible server on 127.0.0.1 (docs/serving.md)
     posttrain serve-model MODEL --replicas N        N engine processes behind one front end, with failover
     posttrain serve-model MODEL --tp K              one replica split by tensor parallelism over K processes
+    posttrain serve-model MOE_MODEL --ep K          one replica, its MoE experts spread over K processes
 """
 
 from __future__ import annotations
@@ -189,6 +190,11 @@ def _check_serve_args(args) -> str | None:
         return f"--replicas must be at least 1, not {args.replicas}"
     if args.tp < 1:
         return f"--tp must be at least 1, not {args.tp}"
+    if args.ep < 1:
+        return f"--ep must be at least 1, not {args.ep}"
+    if args.tp > 1 and args.ep > 1:
+        return (f"--tp {args.tp} and --ep {args.ep} do not combine yet: a replica is split one way, "
+                "by tensor parallelism (--tp) or by expert parallelism (--ep)")
     if not 0 <= args.port <= 65535:
         return f"--port {args.port} is not a TCP port (0-65535)"
     for flag, value in (("--max-queue", args.max_queue), ("--max-num-seqs", args.max_num_seqs),
@@ -200,6 +206,11 @@ def _check_serve_args(args) -> str | None:
     if args.request_timeout <= 0:
         return f"--request-timeout must be positive, not {args.request_timeout}"
     return None
+
+
+def _group(args) -> tuple[str, int]:
+    """(layout, ranks) of each replica: ("tp", K), ("ep", K), or ("tp", 1) for one process."""
+    return ("ep", args.ep) if args.ep > 1 else ("tp", args.tp)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -263,15 +274,17 @@ def _serve_replicas(args, model_ref: str, version: str, api_key: str | None) -> 
             raise ValueError(str(e)) from None
         return local, found
 
+    layout, k = _group(args)
+
     def command(port: int, model: str) -> list[str]:
         device = args.device
-        if args.tp > 1 and device.startswith("cuda"):  # replica i: its own K GPUs
+        if k > 1 and device.startswith("cuda"):  # replica i: its own K GPUs
             from stages.serving.tp import rank_device
 
-            device = rank_device(device, ports.index(port) * args.tp)
+            device = rank_device(device, ports.index(port) * k)
         cmd = [sys.executable, "-m", "flows.cli", "serve-model", model, "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", name, "--max-queue", str(args.max_queue),
-               "--max-num-seqs", str(args.max_num_seqs), "--device", device, "--tp", str(args.tp)]
+               "--max-num-seqs", str(args.max_num_seqs), "--device", device, f"--{layout}", str(k)]
         if args.adapters:
             cmd += ["--adapters", args.adapters]
         if args.tokenizer:
@@ -314,10 +327,11 @@ def cmd_serve_model(args) -> int:
         model_ref, version, is_preset = _resolve_model(args.model, args)
         adapters = parse_adapters(args.adapters)
         api_key = args.api_key or os.environ.get("POSTTRAIN_API_KEY") or None
-        if args.tp > 1:
-            from stages.serving.tp import check_tp
+        layout, k = _group(args)
+        if k > 1:
+            from stages.serving.tp import check_group
 
-            check_tp(model_ref, args.tp, args.device, replicas=args.replicas)
+            check_group(model_ref, layout, k, args.device, replicas=args.replicas)
         if args.replicas > 1:  # the replicas load the model; here only what would fail in each of them
             if is_preset:
                 _check_preset(model_ref)
@@ -327,16 +341,16 @@ def cmd_serve_model(args) -> int:
             if api_key is None:
                 print("serve-model: no --api-key / POSTTRAIN_API_KEY: every route is open", file=sys.stderr)
             return _serve_replicas(args, model_ref, version, api_key)
-        if args.tp > 1:
-            from stages.serving.tp import serve_tp
+        if k > 1:
+            from stages.serving.tp import serve_group
 
             if api_key is None:
                 print("serve-model: no --api-key / POSTTRAIN_API_KEY: every route is open", file=sys.stderr)
-            spec = {"model": model_ref, "tokenizer": args.tokenizer, "shown_as": args.model, "device": args.device,
-                    "adapters": {name: str(path) for name, path in adapters.items()},
+            spec = {"layout": layout, "model": model_ref, "tokenizer": args.tokenizer, "shown_as": args.model,
+                    "device": args.device, "adapters": {name: str(path) for name, path in adapters.items()},
                     "engine": {"max_num_seqs": args.max_num_seqs}}
-            return serve_tp(spec, args.tp, args.served_model_name or args.model, args.host, args.port, api_key,
-                            args.max_queue)
+            return serve_group(spec, k, args.served_model_name or args.model, args.host, args.port, api_key,
+                               args.max_queue)
         model, tok, names = load_served(model_ref, args.tokenizer, adapters, torch.device(args.device), args.model)
         state = make_state(model, tok, args.served_model_name or args.model, names, api_key=api_key, max_queue=args.max_queue,
                            engine=EngineSettings(max_num_seqs=args.max_num_seqs))
@@ -418,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1,
                    help="K > 1: one replica split by tensor parallelism over K processes (gloo on CPU, NCCL on "
                         "CUDA: GPUs B..B+K-1 for --device cuda:B)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="K > 1, MoE models: one replica over K processes, each holding 1/K of every MoE layer's "
+                        "experts (the other layers whole on each); K must divide the experts; not with --tp")
     p.add_argument("--replicas", type=int, default=1,
                    help="N > 1: N server processes on loopback ports behind a front end on --host/--port")
     p.add_argument("--routing", choices=["least-loaded", "prefix"], default="least-loaded",

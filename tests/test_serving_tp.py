@@ -151,14 +151,14 @@ def reference(checkpoint, adapter):
 
 
 class TPServer:
-    """`posttrain serve-model CKPT --tp 2` in its own process, its output in a log file."""
+    """`posttrain serve-model CKPT --tp 2` (or `flags`) in its own process, its output in a log file."""
 
-    def __init__(self, checkpoint, log_path: Path, adapter: Path | None = None):
+    def __init__(self, checkpoint, log_path: Path, adapter: Path | None = None, flags=("--tp", "2")):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w+")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", str(checkpoint), "--tp", "2",
+        self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", str(checkpoint), *flags,
                                       "--port", str(self.port), "--served-model-name", "debug", "--max-num-seqs", "8",
                                       *(["--adapters", f"a={adapter}"] if adapter else [])],
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -169,7 +169,7 @@ class TPServer:
                     return
             except httpx.HTTPError:
                 time.sleep(0.2)
-        raise RuntimeError(f"the --tp 2 server did not come up:\n{self.text()[-3000:]}")
+        raise RuntimeError(f"the {' '.join(flags)} server did not come up:\n{self.text()[-3000:]}")
 
     def client(self):
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=60)

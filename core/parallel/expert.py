@@ -8,6 +8,10 @@ the same exchanges backward. Dropless by default; with a capacity factor c each 
 most ceil(c * N * k / E) pairs from each rank (in token order) and drops the rest, which then
 contribute zero (the residual carries those tokens), as in GShard / Switch.
 
+Serving (`serve-model --ep K`) is the other case: every rank of a replica holds the same tokens,
+so `AllReduceDispatcher` has each rank run only its experts' pairs and sums the partial outputs
+with one all-reduce (`apply_serving_expert_parallel`); same weight layout, same router.
+
 Token-sharded routing: under tensor parallelism the MoE block is not split by columns; each tp
 rank routes and computes its own sequence shard (Megatron's expert-tensor-parallel size 1), with
 router and expert weights replicated over tp (grads all-reduced in the graph, tensor.py). Under
@@ -165,6 +169,51 @@ def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh | None, capacity_factor:
         shard_experts(moe, ep_mesh)
         moe.experts.tp_group, moe.experts.ep = tp_group, ep_mesh.size()
     moe.dispatch = AllToAllDispatcher(ep_mesh.get_group() if ep else None, moe.args.num_experts, capacity_factor)
+
+
+class AllReduceDispatcher:
+    """`moe.dispatch` for expert parallelism when every rank of `ep_group` holds the *same* tokens
+    (the ranks of a serving replica run in lockstep on one batch). Each rank runs its E/ep experts
+    on the (token, slot) pairs routed to them and an all-reduce sums the partial outputs: every
+    pair is computed once, on its expert's rank. Forward only (inference).
+
+    AllToAllDispatcher would also give the right answer here, but each rank would receive the same
+    pairs from all `ep` ranks and compute them `ep` times."""
+
+    def __init__(self, ep_group: dist.ProcessGroup, num_experts: int):
+        self.group = ep_group
+        ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        if num_experts % ep:
+            raise ValueError(f"ep={ep} does not divide num_experts={num_experts}")
+        self.local_experts = num_experts // ep
+        self.first = rank * self.local_experts  # this rank's experts: first .. first + local_experts - 1
+
+    def __call__(self, experts: GroupedExperts, x: Tensor, weights: Tensor, ids: Tensor, counts: Tensor) -> Tensor:
+        """x (N, H), weights/ids (N, k), counts (E,) -> (N, H), as routed_experts."""
+        k = ids.shape[1]
+        order = ids.flatten().argsort(stable=True)  # pairs grouped by expert: mine are one block
+        lo, hi = self.first, self.first + self.local_experts
+        start, end = int(counts[:lo].sum()), int(counts[:hi].sum())
+        mine = order[start:end]
+        token_of = mine // k
+        y = experts(x[token_of], counts[lo:hi].tolist())
+        y = y * weights.flatten()[mine, None]
+        out = torch.zeros_like(x).index_add_(0, token_of, y)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+def apply_serving_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[tuple[int, int]]:
+    """Split every MoE layer of `model` (whole on each rank, every rank to see the same tokens) over
+    `ep_mesh`: keep this rank's E/ep experts (Shard(0) DTensors, as for training) and install the
+    all-reduce dispatcher. Returns each MoE layer's experts on this rank, as (first, count)."""
+    held = []
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        shard_experts(moe, ep_mesh)
+        moe.experts.__class__ = ParallelGroupedExperts  # reads the local shards; ep stays 1: no grad scaling
+        moe.dispatch = AllReduceDispatcher(ep_mesh.get_group(), moe.args.num_experts)
+        held.append((moe.dispatch.first, moe.dispatch.local_experts))
+    return held
 
 
 # --------------------------------------------------------------------------- token-sharded routing

@@ -1,12 +1,22 @@
-"""One serving replica over K processes, the model split by tensor parallelism (`serve-model --tp K`).
+"""One serving replica over K processes, a "replica group": the model split by tensor parallelism
+(`serve-model --tp K`) or its MoE experts spread by expert parallelism (`serve-model --ep K`).
+The launcher, the messages and the lockstep below are the same for both; only how each rank
+splits its copy of the model differs (`LAYOUTS`):
 
-Rank 0 is the server: the HTTP app, the EngineWorker's scheduling, and an Engine over its shard
-of the model. Ranks 1..K-1, the followers, hold the other shards and identical Engines. Every
-engine step is collective (the TP layers all-reduce and all-gather inside the model call), so
+    tp  every linear layer split by the TP plan (core.parallel.plans, no sequence parallelism);
+        MoE blocks token-sharded with their experts replicated.
+    ep  each MoE layer keeps E/K of its experts (core.parallel.expert.apply_serving_expert_parallel);
+        attention, dense MLPs, embeddings, router and shared experts stay whole on every rank.
+        All ranks hold the same tokens, so each runs its experts' (token, slot) pairs and one
+        all-reduce per MoE layer sums the outputs. Needs an MoE model and K dividing its experts.
+
+Rank 0 is the server: the HTTP app, the EngineWorker's scheduling, and an Engine over its part
+of the model. Ranks 1..K-1, the followers, hold the other parts and identical Engines. Every
+engine step is collective (the split layers all-reduce and all-gather inside the model call), so
 every rank must add the same requests in the same order and step together. The engine is
-deterministic given that: the logits are gathered, so greedy and seeded tokens are the same on
-every rank, and so are the stop checks and finishes each rank makes itself. Rank 0 sends, once
-per loop of its engine thread, one message to the followers:
+deterministic given that: the logits are gathered (tp) or whole (ep), so greedy and seeded tokens
+are the same on every rank, and so are the stop checks and finishes each rank makes itself. Rank 0
+sends, once per loop of its engine thread, one message to the followers:
 
     {"ops": [{"add": {"prompt": [token ids], "params": {RequestParams' fields}}}
              | {"abort": request id}, ...], "step": true|false}
@@ -57,32 +67,74 @@ TIMEOUT_S = 120.0
 """Collective timeout of the replica's groups: the longest a rank waits for the others."""
 
 
+# ------------------------------------------------------------------ layouts
+
+
+def _split_tp(model, mesh) -> str | None:
+    from core.parallel.plans import apply_plan, transformer_tp_plan
+
+    apply_plan(model, transformer_tp_plan(model.args, sequence_parallel=False), mesh["tp"])
+    return None
+
+
+def _split_ep(model, mesh) -> str | None:
+    from core.parallel.expert import apply_serving_expert_parallel
+
+    held = apply_serving_expert_parallel(model, mesh["ep"])
+    first, n = held[0]  # the same experts in every MoE layer
+    return f"holds experts {first}..{first + n - 1} of {model.args.moe.num_experts} in each of {len(held)} MoE layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a replica group splits the model: its flag, its name in messages, the core's parallel
+    config for K ranks (what validates the model and builds the mesh), and the split itself, run
+    on every rank's whole model (returns what this rank holds, for the log, or None)."""
+
+    flag: str
+    name: str
+    config: Callable[[int], dict]
+    split: Callable[[object, object], str | None]
+
+
+LAYOUTS = {
+    "tp": Layout("tp", "tensor-parallel", lambda k: {"tp": k}, _split_tp),
+    # The core's EP layout carves ep out of the ranks that would shard the other weights (dp_shard);
+    # nothing shards them here (no FSDP), so they stay whole on every rank.
+    "ep": Layout("ep", "expert-parallel", lambda k: {"dp_shard": k, "ep": k}, _split_ep),
+}
+
+
 # ------------------------------------------------------------------ checks, before anything starts
 
 
-def check_tp(model_ref: str, tp: int, device: str, replicas: int = 1) -> None:
-    """ValueError unless `model_ref` can be split over `tp` ranks on `device`, `replicas` times
-    (reads only its config)."""
+def check_group(model_ref: str, layout: str, k: int, device: str, replicas: int = 1) -> None:
+    """ValueError unless `model_ref` can be split by `layout` ("tp" or "ep") over `k` ranks on
+    `device`, `replicas` times (reads only its config)."""
     from core.model.config import ModelConfig
     from core.parallel.config import ParallelConfig
     from core.parallel.mesh import ParallelDims
     from stages.common import load_model
 
-    if tp < 1:
-        raise ValueError(f"--tp must be at least 1, not {tp}")
+    flag = f"--{LAYOUTS[layout].flag}"
+    if k < 1:
+        raise ValueError(f"{flag} must be at least 1, not {k}")
     if device.startswith("cuda"):
-        first, need = _cuda_index(device), tp * replicas
+        first, need = _cuda_index(device), k * replicas
         count = torch.cuda.device_count()
         if first + need > count:
-            raise ValueError(f"--tp {tp} x {replicas} replica(s) on {device} needs GPUs {first}..{first + need - 1}; "
+            raise ValueError(f"{flag} {k} x {replicas} replica(s) on {device} needs GPUs {first}..{first + need - 1}; "
                              f"{count} visible")
     elif device != "cpu":
-        raise ValueError(f"--tp runs on cpu or cuda, not {device!r}")
+        raise ValueError(f"{flag} runs on cpu or cuda, not {device!r}")
     model, _ = load_model(ModelConfig(name_or_path=model_ref), torch.device("cpu"), meta=True)
+    if layout == "ep" and model.args.moe is None:
+        raise ValueError(f"--ep {k}: the model is dense (no experts); expert parallelism needs an MoE model "
+                         "(use --tp to split a dense one)")
     try:
-        ParallelDims.from_config(ParallelConfig(tp=tp), tp, model.args)
+        ParallelDims.from_config(ParallelConfig(**LAYOUTS[layout].config(k)), k, model.args)
     except ValueError as e:
-        raise ValueError(f"--tp {tp}: {e}") from None
+        raise ValueError(f"{flag} {k}: {e}") from None
 
 
 def _cuda_index(device: str) -> int:
@@ -127,15 +179,16 @@ def decode_params(d: dict) -> RequestParams:
 # ------------------------------------------------------------------ rank 0: the worker
 
 
-class TPEngineWorker(EngineWorker):
-    """EngineWorker on rank 0 of a tensor-parallel replica: before each step it tells the
-    followers what it admitted; any failure of the group is fatal (`fatal`, `on_fatal`) instead
-    of a fresh engine (the other ranks' engines would not start over with it)."""
+class GroupEngineWorker(EngineWorker):
+    """EngineWorker on rank 0 of a replica group: before each step it tells the followers what it
+    admitted; any failure of the group is fatal (`fatal`, `on_fatal`) instead of a fresh engine
+    (the other ranks' engines would not start over with it). `what` names the group in messages."""
 
     def __init__(self, make_engine: Callable[[], Engine], channel: Channel,
-                 peers_alive: Callable[[], bool] = lambda: True, name: str = "engine-tp"):
+                 peers_alive: Callable[[], bool] = lambda: True, name: str = "engine-group",
+                 what: str = "tensor-parallel"):
         super().__init__(make_engine, name)
-        self.channel, self.peers_alive = channel, peers_alive
+        self.channel, self.peers_alive, self.what = channel, peers_alive, what
         self._ops: list[dict] = []  # what this engine was told since the last message, in order
         self._lock = threading.Lock()  # submit vs. _fail: nothing is queued after the last drain
 
@@ -168,7 +221,7 @@ class TPEngineWorker(EngineWorker):
                 if self._stop.is_set():
                     break
                 if not self.peers_alive():
-                    raise RuntimeError("a follower rank of the tensor-parallel group exited")
+                    raise RuntimeError(f"a follower rank of the {self.what} group exited")
                 ops, self._ops = self._ops, []
                 step = self.engine.has_unfinished()
                 self.channel.send({"ops": ops, "step": step})
@@ -179,9 +232,9 @@ class TPEngineWorker(EngineWorker):
             self._fail(e)
 
     def _fail(self, e: BaseException) -> None:
-        log.error("tensor-parallel replica failed (%s: %s); failing %d requests and stopping",
-                  type(e).__name__, e, len(self.sinks))
-        err = RuntimeError(f"the tensor-parallel group failed ({type(e).__name__}: {e}); the server is stopping")
+        log.error("%s replica failed (%s: %s); failing %d requests and stopping",
+                  self.what, type(e).__name__, e, len(self.sinks))
+        err = RuntimeError(f"the {self.what} group failed ({type(e).__name__}: {e}); the server is stopping")
         with self._lock:
             self.fatal = err
         sinks, self.sinks = self.sinks, {}
@@ -201,30 +254,32 @@ class TPEngineWorker(EngineWorker):
 # ------------------------------------------------------------------ every rank: group, model, engine
 
 
-def _join(rank: int, world: int, master_port: int, device: str) -> tuple[object, dist.ProcessGroup]:
-    """Join the replica's process group (gloo on CPU, NCCL on CUDA); its tp mesh and a gloo group
-    of the same ranks for the messages."""
+def _join(rank: int, world: int, master_port: int, device: str, layout: str) -> tuple[object, dist.ProcessGroup]:
+    """Join the replica's process group (gloo on CPU, NCCL on CUDA); its mesh (the layout's) and a
+    gloo group of the same ranks for the messages."""
     from core.parallel.config import ParallelConfig
     from core.parallel.mesh import init_distributed
 
     local = _cuda_index(device) + rank if device.startswith("cuda") else rank
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(master_port))
-    cfg = ParallelConfig(tp=world, device="cuda" if device.startswith("cuda") else "cpu")
+    cfg = ParallelConfig(**LAYOUTS[layout].config(world), device="cuda" if device.startswith("cuda") else "cpu")
     mesh, _ = init_distributed(cfg, timeout_s=TIMEOUT_S)
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     return mesh, control
 
 
 def _load_split(spec: dict, rank: int, mesh) -> tuple[object, object, list[str]]:
-    """This rank's model (whole, with its adapters, then split by the TP plan) and tokenizer."""
-    from core.parallel.plans import apply_plan, transformer_tp_plan
+    """This rank's model (whole, with its adapters, then split by the layout) and tokenizer."""
     from stages.serving.server import load_served
 
     adapters = {name: Path(p) for name, p in spec["adapters"].items()}
     model, tok, names = load_served(spec["model"], spec["tokenizer"], adapters,
                                     torch.device(rank_device(spec["device"], rank)), spec.get("shown_as"))
-    apply_plan(model, transformer_tp_plan(model.args, sequence_parallel=False), mesh["tp"])
+    layout = LAYOUTS[spec["layout"]]
+    held = layout.split(model, mesh)
+    if held:
+        print(f"serve-model: {layout.name} rank {rank} {held}", file=sys.stderr, flush=True)
     return model.eval(), tok, names
 
 
@@ -260,13 +315,14 @@ def _follower(rank: int, world: int, master_port: int, spec: dict) -> None:
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     code = 0
     try:
-        mesh, control = _join(rank, world, master_port, spec["device"])
+        mesh, control = _join(rank, world, master_port, spec["device"], spec["layout"])
         model, tok, _ = _load_split(spec, rank, mesh)
         engine = engine_factory(model, tok, _engine_settings(spec))()
         dist.barrier(group=control)
         follow(engine, Channel(control))
     except Exception as e:  # noqa: BLE001 - one line, not a traceback per rank
-        print(f"serve-model: tensor-parallel rank {rank} stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"serve-model: {LAYOUTS[spec['layout']].name} rank {rank} stopped: {type(e).__name__}: {e}",
+              file=sys.stderr)
         code = 1
     finally:
         with contextlib.suppress(Exception):
@@ -277,34 +333,36 @@ def _follower(rank: int, world: int, master_port: int, spec: dict) -> None:
 # ------------------------------------------------------------------ rank 0: the whole replica
 
 
-def serve_tp(spec: dict, tp: int, model_id: str, host: str, port: int, api_key: str | None,
-             max_queue: int) -> int:
-    """Start the followers, become rank 0, serve until SIGTERM (0) or a failure of the group (1).
+def serve_group(spec: dict, k: int, model_id: str, host: str, port: int, api_key: str | None,
+                max_queue: int) -> int:
+    """Start the k-1 followers, become rank 0, serve until SIGTERM (0) or a failure of the group (1).
 
-    spec: {"model": ref, "tokenizer": dir | None, "adapters": {name: dir}, "device": "cpu" | "cuda[:B]",
-    "engine": EngineSettings' fields, "shown_as": name in messages}. Loading errors raise (the
-    CLI prints them) after the followers are stopped."""
+    spec: {"layout": "tp" | "ep", "model": ref, "tokenizer": dir | None, "adapters": {name: dir},
+    "device": "cpu" | "cuda[:B]", "engine": EngineSettings' fields, "shown_as": name in messages}.
+    Loading errors raise (the CLI prints them) after the followers are stopped."""
     from core.parallel.mesh import _free_port
     from stages.serving.server import make_state, serve
 
     master_port = _free_port()
     ctx = mp.get_context("spawn" if spec["device"].startswith("cuda") else "fork")
-    procs = [ctx.Process(target=_follower, args=(r, tp, master_port, spec), name=f"tp-rank{r}", daemon=True)
-             for r in range(1, tp)]
+    layout = LAYOUTS[spec["layout"]]
+    procs = [ctx.Process(target=_follower, args=(r, k, master_port, spec), name=f"{layout.flag}-rank{r}",
+                         daemon=True) for r in range(1, k)]
     for p in procs:
         p.start()
     served = False
     try:
-        torch.set_num_threads(max(1, torch.get_num_threads() // tp))
-        mesh, control = _join(0, tp, master_port, spec["device"])
+        torch.set_num_threads(max(1, torch.get_num_threads() // k))
+        mesh, control = _join(0, k, master_port, spec["device"], spec["layout"])
         model, tok, names = _load_split(spec, 0, mesh)
         dist.barrier(group=control)  # every follower loaded and built its engine
         channel = Channel(control)
         alive = lambda: all(p.is_alive() for p in procs)  # noqa: E731
         state = make_state(model, tok, model_id, names, api_key=api_key, max_queue=max_queue,
                            engine=_engine_settings(spec),
-                           make_worker=lambda make_engine: TPEngineWorker(make_engine, channel, alive))
-        print(f"serve-model: tensor-parallel replica of {tp} ranks ready", file=sys.stderr)
+                           make_worker=lambda make_engine: GroupEngineWorker(make_engine, channel, alive,
+                                                                             what=layout.name))
+        print(f"serve-model: {layout.name} replica of {k} ranks ready", file=sys.stderr)
         served = True
         # uvicorn re-raises the SIGTERM / SIGINT it stopped on once it is done; with the default
         # handler that would kill this process inside serve(), before the worker tells the
