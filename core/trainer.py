@@ -92,7 +92,10 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
-        self.device = self.params[0].device
+        first = self.params[0]
+        # Under FSDP's CPU offload the shards live on CPU; the step's counters go where compute is.
+        self.device = torch.device(first.device_mesh.device_type) \
+            if isinstance(first, DTensor) and first.device.type != first.device_mesh.device_type else first.device
         # Sharded layouts make parameters DTensors (TP, FSDP); those that no layout shards (norms
         # under TP) stay plain tensors.
         self.dtensors = any(isinstance(p, DTensor) for p in self.params)

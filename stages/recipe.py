@@ -191,6 +191,10 @@ def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> Pa
         dims = ParallelDims.from_config(p, d.world, model.args)
     except ValueError as e:
         raise StageError(f"parallel: {e}") from None
+    if cfg.optim.offload and (d.world == 1 or dims.pp > 1):
+        raise StageError("optim.offload: CPU offload of the optimizer state is FSDP's (CPUOffloadPolicy) and needs "
+                         "FSDP over several processes (parallel.dp_shard > 1, no pipeline parallelism yet); "
+                         f"this run has {d.world} process(es){', pp > 1' if dims.pp > 1 else ''}")
     if d.world == 1:
         if cfg.model.activation_checkpointing:
             apply_activation_checkpointing(list(model.layers))
@@ -203,7 +207,7 @@ def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> Pa
     else:
         try:
             parallelize(model, p, mesh, activation_checkpointing=cfg.model.activation_checkpointing,
-                        compile=cfg.model.compile)
+                        compile=cfg.model.compile, offload=cfg.optim.offload)
         except ValueError as e:  # a weight this layout cannot split (e.g. an NF4 block)
             raise StageError(f"parallel: {e}") from None
     log.info("parallelized over %s", mesh)

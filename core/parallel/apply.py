@@ -52,10 +52,10 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, mesh: ParallelMesh, *, activation_checkpointing: bool = False,
                 compile: bool = False, capacity_factor: float | None = None,
-                data_parallel: bool = True) -> nn.Module:
+                data_parallel: bool = True, offload: bool = False) -> nn.Module:
     """Apply mesh's layout to a core.model.Transformer (or one PipelineStageModule of it), in
     place; returns the same module. `data_parallel=False` skips the last step (FSDP / DDP) for
-    callers that wrap it themselves."""
+    callers that wrap it themselves. offload: FSDP's CPU offload (a ValueError without FSDP)."""
     dims = mesh.dims
     stage = isinstance(model, PipelineStageModule)
     blocks = _blocks(model)
@@ -90,9 +90,12 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh: ParallelMesh, *, ac
     if compile:
         apply_compile(blocks)
 
+    if offload and not (data_parallel and dims.fsdp):
+        raise ValueError("optim.offload: CPU offload of the optimizer state is FSDP's (CPUOffloadPolicy); this "
+                         "layout does not shard with FSDP (parallel.dp_shard > 1 does)")
     if data_parallel and dims.fsdp:
         apply_fsdp(model, blocks, mesh, cfg.mixed_precision_param, cfg.mixed_precision_reduce,
-                   cfg.fsdp_reshard_after_forward)
+                   cfg.fsdp_reshard_after_forward, offload)
     elif data_parallel and dims.ddp:
         apply_ddp(model, mesh)
     return model

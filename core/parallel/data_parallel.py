@@ -15,6 +15,8 @@
 - QLoRA under FSDP (FSDP-QLoRA): the NF4 bases are buffers, which fully_shard leaves whole, so
   their storage is sharded over the same mesh first (core.quant.shard_nf4_storage) and gathered
   by each forward and backward that needs the weight.
+- Optimizer offload (optim.offload): FSDP2's CPUOffloadPolicy keeps the shards, gradients and the
+  optimizer state on CPU; the optimizer steps there.
 - Activation checkpointing: each block's forward runs under non-reentrant torch.utils.checkpoint.
   MoE routing statistics are side effects of forward, so the recompute restores them; LoRA adapter
   routing is set around the forward only, so the recompute sets the forward's again.
@@ -28,7 +30,7 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from core.lora.layer import LoRALinear
@@ -49,14 +51,19 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: ParallelMesh,
                param_dtype: str | None = None, reduce_dtype: str | None = "float32",
-               reshard_after_forward: Literal["default", "always", "never"] = "default") -> nn.Module:
-    """Shard `blocks` one unit each, expert weights their own units, and `model` as the root."""
+               reshard_after_forward: Literal["default", "always", "never"] = "default",
+               offload: bool = False) -> nn.Module:
+    """Shard `blocks` one unit each, expert weights their own units, and `model` as the root.
+    offload: sharded parameters, their gradients and so the optimizer state on CPU
+    (CPUOffloadPolicy; each unit's forward and backward copies its shard to the device)."""
     dims = mesh.dims
     policy = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     # Pipeline stages run several microbatches forward before any backward: keeping their blocks
     # gathered between them saves one all-gather per microbatch (torchtitan's default too).
     reshard = {"always": True, "never": False, "default": dims.pp == 1}[reshard_after_forward]
     kw = dict(mp_policy=policy, reshard_after_forward=reshard)
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
     shard_nf4_storage(model, mesh.fsdp_mesh())
     for block in blocks:
         if dims.ep > 1:
