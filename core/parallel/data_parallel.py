@@ -63,7 +63,8 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: ParallelMesh,
     reshard = {"always": True, "never": False, "default": dims.pp == 1}[reshard_after_forward]
     kw = dict(mp_policy=policy, reshard_after_forward=reshard)
     if offload:
-        kw["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory (for async copies) needs an accelerator; on a CPU mesh nothing moves.
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.fsdp_mesh().device_type != "cpu")
     shard_nf4_storage(model, mesh.fsdp_mesh())
     for block in blocks:
         if dims.ep > 1:
