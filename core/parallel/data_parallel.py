@@ -17,7 +17,8 @@
   by each forward and backward that needs the weight.
 - Optimizer offload (optim.offload): FSDP2's CPUOffloadPolicy keeps the shards, gradients and the
   optimizer state on CPU; the optimizer steps there.
-- Activation checkpointing: each block's forward runs under non-reentrant torch.utils.checkpoint.
+- Activation checkpointing: each block's (or every k-th block's) forward runs under non-reentrant
+  torch.utils.checkpoint.
   MoE routing statistics are side effects of forward, so the recompute restores them; LoRA adapter
   routing is set around the forward only, so the recompute sets the forward's again.
 - torch.compile per block (torchtitan's granularity: one graph reused by every layer).
@@ -105,10 +106,13 @@ class _ForwardState:
                 m.routing = r
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
-    """Recompute each block's activations in backward; the block stays the same module (names and
-    hooks unchanged), only its forward is wrapped."""
-    for block in blocks:
+def apply_activation_checkpointing(blocks: list[nn.Module], every: int = 1) -> list[nn.Module]:
+    """Recompute the activations of every `every`-th block (blocks every-1, 2*every-1, ...; 1 = all,
+    torchtitan's selective per-layer checkpointing) in backward; a block stays the same module
+    (names and hooks unchanged), only its forward is wrapped. Returns the wrapped blocks.
+    The others keep their activations: between full checkpointing's memory and none's speed."""
+    chosen = [b for i, b in enumerate(blocks) if every > 0 and (i + 1) % every == 0]
+    for block in chosen:
         moes = [m for m in block.modules() if isinstance(m, MoE)]
         loras = [m for m in block.modules() if isinstance(m, LoRALinear)]
 
@@ -122,6 +126,7 @@ def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
             return checkpoint(_block.checkpointed_forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
         block.forward = forward
+    return chosen
 
 
 def apply_compile(blocks: list[nn.Module]) -> None:
