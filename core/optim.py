@@ -1,5 +1,6 @@
-"""OptimConfig and what it means: AdamW parameter groups and the learning-rate schedule
-(core.trainer.Trainer builds the optimizer from them). Torch-free, like every config module."""
+"""OptimConfig and what it means: parameter groups and the learning-rate schedule
+(core.optimizers.build_optimizer builds the optimizer from them, docs/optimizers.md says which).
+Torch-free, like every config module."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from core.config import ConfigModel
 
@@ -15,7 +16,18 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+OptimizerName = Literal["adamw", "adamw8bit", "adafactor", "muon"]
+
+
 class OptimConfig(ConfigModel):
+    name: OptimizerName = Field(
+        "adamw", description="'adamw' (torch), 'adamw8bit' (torchao, 8-bit moments), 'adafactor' (torch, factored "
+        "second moment, no first), 'muon' (torch Muon on hidden matrices, AdamW on the rest).")
+    fused: bool | None = Field(
+        None, description="AdamW's fused kernel: None = fused on CUDA when it can be, foreach elsewhere; "
+        "true = fused or refused; false = foreach.")
+    offload: bool = Field(False, description="Optimizer state and master weights on CPU (FSDP2 CPUOffloadPolicy); "
+                          "needs FSDP.")
     lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (not on norms and biases).")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
@@ -26,12 +38,26 @@ class OptimConfig(ConfigModel):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global grad norm; None = off.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    muon_lr: float | None = Field(None, gt=0, description="Muon's peak lr; None = lr (with muon_adjust_lr "
+                                  "'match_rms_adamw' the AdamW rate carries over).")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon momentum (Nesterov).")
+    muon_ns_steps: int = Field(5, ge=1, lt=100, description="Muon Newton-Schulz iterations.")
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = Field(
+        "match_rms_adamw", description="Muon's per-matrix lr scale: 'original' sqrt(max(1, rows/cols)) (Keller "
+        "Jordan), 'match_rms_adamw' 0.2 sqrt(max(rows, cols)) (Moonshot: AdamW's lr and decay carry over).")
 
     @field_validator("betas")
     @classmethod
     def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
         if not all(0 <= b < 1 for b in v):
             raise ValueError(f"betas must lie in [0, 1), got {v}")
+        return v
+
+    @field_validator("fused")
+    @classmethod
+    def _fused(cls, v: bool | None, info: ValidationInfo) -> bool | None:
+        if v and info.data.get("name", "adamw") != "adamw":
+            raise ValueError(f"only optim.name='adamw' has a fused kernel, not {info.data['name']!r}")
         return v
 
 

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from core.optim import OptimConfig, lr_lambda, param_groups
+from core.optim import OptimConfig, lr_lambda, param_groups  # noqa: F401 (param_groups: re-exported)
+from core.optimizers import build_optimizer
 from core.parallel.grad_norm import clip_grad_norm_ as clip_across_meshes
 from core.reliability import all_reduce
 
@@ -91,17 +92,15 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
-        self.device = self.params[0].device
+        first = self.params[0]
+        # Under FSDP's CPU offload the shards live on CPU; the step's counters go where compute is.
+        self.device = torch.device(first.device_mesh.device_type) \
+            if isinstance(first, DTensor) and first.device.type != first.device_mesh.device_type else first.device
         # Sharded layouts make parameters DTensors (TP, FSDP); those that no layout shards (norms
-        # under TP) stay plain tensors, and fused AdamW refuses a mix of the two.
+        # under TP) stay plain tensors.
         self.dtensors = any(isinstance(p, DTensor) for p in self.params)
-        mixed = self.dtensors and not all(isinstance(p, DTensor) for p in self.params)
-        fused = self.device.type == "cuda" and not mixed
         self.adapters = list(adapters)
-        self.optimizer = torch.optim.AdamW(
-            param_groups(model, optim.weight_decay, self.adapters, optim.lr, adapter_lr), lr=optim.lr,
-            betas=tuple(optim.betas), eps=optim.eps, fused=fused or None,
-        )
+        self.optimizer = build_optimizer(model, optim, self.adapters, adapter_lr)  # optim.name's
         init_optimizer_state(self.optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
         self.autocast_dtype = autocast_dtype
@@ -273,8 +272,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     rates = [g["lr"] for g in optimizer.param_groups]
     for p in params:
         p.grad = torch.zeros_like(p)
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
+    for g in optimizer.param_groups:  # a tensor lr (torchao's) is changed in place only
+        g["lr"] = g["lr"].clone().fill_(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
     optimizer.step()
     for g, lr in zip(optimizer.param_groups, rates):
         g["lr"] = lr

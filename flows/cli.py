@@ -136,7 +136,7 @@ def cmd_bench(args) -> int:
 
     modules = {"sft": "benchmarks.sft", "kernels": "benchmarks.kernels", "adapters": "benchmarks.adapters",
                "weight_sync": "benchmarks.weight_sync", "generate": "benchmarks.generate", "online": "benchmarks.online",
-               "serve": "benchmarks.serve"}
+               "serve": "benchmarks.serve", "optimizers": "benchmarks.optimizers"}
     which = list(modules) if args.what == "all" else [args.what]
     rc = 0
     for w in which:
@@ -394,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="benchmarks (JSON on stdout)")
-    p.add_argument("what", choices=["sft", "kernels", "adapters", "weight_sync", "generate", "online", "serve", "all"])
+    p.add_argument("what", choices=["sft", "kernels", "adapters", "weight_sync", "generate", "online", "serve",
+                                    "optimizers", "all"])
     p.add_argument("extra", nargs=argparse.REMAINDER, help="passed to the benchmark script")
     p.set_defaults(func=cmd_bench)
 

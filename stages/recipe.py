@@ -191,9 +191,12 @@ def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> Pa
         dims = ParallelDims.from_config(p, d.world, model.args)
     except ValueError as e:
         raise StageError(f"parallel: {e}") from None
+    if cfg.optim.offload and (d.world == 1 or dims.pp > 1):
+        raise StageError("optim.offload: CPU offload of the optimizer state is FSDP's (CPUOffloadPolicy) and needs "
+                         "FSDP over several processes (parallel.dp_shard > 1, no pipeline parallelism yet); "
+                         f"this run has {d.world} process(es){', pp > 1' if dims.pp > 1 else ''}")
     if d.world == 1:
-        if cfg.model.activation_checkpointing:
-            apply_activation_checkpointing(list(model.layers))
+        apply_activation_checkpointing(list(model.layers), cfg.model.checkpoint_every)
         if cfg.model.compile:
             apply_compile(list(model.layers))
         return None
@@ -202,8 +205,8 @@ def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> Pa
         parallelize_stages(model, cfg, mesh, d)
     else:
         try:
-            parallelize(model, p, mesh, activation_checkpointing=cfg.model.activation_checkpointing,
-                        compile=cfg.model.compile)
+            parallelize(model, p, mesh, activation_checkpointing=cfg.model.checkpoint_every,
+                        compile=cfg.model.compile, offload=cfg.optim.offload)
         except ValueError as e:  # a weight this layout cannot split (e.g. an NF4 block)
             raise StageError(f"parallel: {e}") from None
     log.info("parallelized over %s", mesh)
@@ -227,7 +230,7 @@ def parallelize_stages(model: Transformer, cfg: TrainStageConfig, mesh: Parallel
     loss_fn = PipelineLoss(pipeline_token_loss(tp), tp)  # SFT's; DPO swaps in its own per step
     pipe = parallelize_pipeline(model, p, mesh, loss_fn, d.device, cfg.pipeline_rows() // microbatches,
                                 cfg.data.max_seq_len // mesh.dims.cp, packed=True, scale_grads=False,
-                                activation_checkpointing=cfg.model.activation_checkpointing,
+                                activation_checkpointing=cfg.model.checkpoint_every,
                                 compile=cfg.model.compile)
     pipe.loss = loss_fn
     keep_own_stages(model, pipe)

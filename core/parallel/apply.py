@@ -50,12 +50,13 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
-def parallelize(model: nn.Module, cfg: ParallelConfig, mesh: ParallelMesh, *, activation_checkpointing: bool = False,
+def parallelize(model: nn.Module, cfg: ParallelConfig, mesh: ParallelMesh, *, activation_checkpointing: bool | int = False,
                 compile: bool = False, capacity_factor: float | None = None,
-                data_parallel: bool = True) -> nn.Module:
+                data_parallel: bool = True, offload: bool = False) -> nn.Module:
     """Apply mesh's layout to a core.model.Transformer (or one PipelineStageModule of it), in
     place; returns the same module. `data_parallel=False` skips the last step (FSDP / DDP) for
-    callers that wrap it themselves."""
+    callers that wrap it themselves. offload: FSDP's CPU offload (a ValueError without FSDP).
+    activation_checkpointing: True (or 1) every block, k > 1 every k-th block (ModelConfig.checkpoint_every)."""
     dims = mesh.dims
     stage = isinstance(model, PipelineStageModule)
     blocks = _blocks(model)
@@ -86,13 +87,16 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh: ParallelMesh, *, ac
             global_aux_loss(moe, mesh.group("cp_tp"), grad_scale=float(dims.cp))
 
     if activation_checkpointing:
-        apply_activation_checkpointing(blocks)
+        apply_activation_checkpointing(blocks, int(activation_checkpointing))
     if compile:
         apply_compile(blocks)
 
+    if offload and not (data_parallel and dims.fsdp):
+        raise ValueError("optim.offload: CPU offload of the optimizer state is FSDP's (CPUOffloadPolicy); this "
+                         "layout does not shard with FSDP (parallel.dp_shard > 1 does)")
     if data_parallel and dims.fsdp:
         apply_fsdp(model, blocks, mesh, cfg.mixed_precision_param, cfg.mixed_precision_reduce,
-                   cfg.fsdp_reshard_after_forward)
+                   cfg.fsdp_reshard_after_forward, offload)
     elif data_parallel and dims.ddp:
         apply_ddp(model, mesh)
     return model

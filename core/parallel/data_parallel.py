@@ -15,7 +15,10 @@
 - QLoRA under FSDP (FSDP-QLoRA): the NF4 bases are buffers, which fully_shard leaves whole, so
   their storage is sharded over the same mesh first (core.quant.shard_nf4_storage) and gathered
   by each forward and backward that needs the weight.
-- Activation checkpointing: each block's forward runs under non-reentrant torch.utils.checkpoint.
+- Optimizer offload (optim.offload): FSDP2's CPUOffloadPolicy keeps the shards, gradients and the
+  optimizer state on CPU; the optimizer steps there.
+- Activation checkpointing: each block's (or every k-th block's) forward runs under non-reentrant
+  torch.utils.checkpoint.
   MoE routing statistics are side effects of forward, so the recompute restores them; LoRA adapter
   routing is set around the forward only, so the recompute sets the forward's again.
 - torch.compile per block (torchtitan's granularity: one graph reused by every layer).
@@ -28,7 +31,7 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from core.lora.layer import LoRALinear
@@ -49,14 +52,20 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: ParallelMesh,
                param_dtype: str | None = None, reduce_dtype: str | None = "float32",
-               reshard_after_forward: Literal["default", "always", "never"] = "default") -> nn.Module:
-    """Shard `blocks` one unit each, expert weights their own units, and `model` as the root."""
+               reshard_after_forward: Literal["default", "always", "never"] = "default",
+               offload: bool = False) -> nn.Module:
+    """Shard `blocks` one unit each, expert weights their own units, and `model` as the root.
+    offload: sharded parameters, their gradients and so the optimizer state on CPU
+    (CPUOffloadPolicy; each unit's forward and backward copies its shard to the device)."""
     dims = mesh.dims
     policy = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     # Pipeline stages run several microbatches forward before any backward: keeping their blocks
     # gathered between them saves one all-gather per microbatch (torchtitan's default too).
     reshard = {"always": True, "never": False, "default": dims.pp == 1}[reshard_after_forward]
     kw = dict(mp_policy=policy, reshard_after_forward=reshard)
+    if offload:
+        # Pinned host memory (for async copies) needs an accelerator; on a CPU mesh nothing moves.
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.fsdp_mesh().device_type != "cpu")
     shard_nf4_storage(model, mesh.fsdp_mesh())
     for block in blocks:
         if dims.ep > 1:
@@ -97,10 +106,13 @@ class _ForwardState:
                 m.routing = r
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
-    """Recompute each block's activations in backward; the block stays the same module (names and
-    hooks unchanged), only its forward is wrapped."""
-    for block in blocks:
+def apply_activation_checkpointing(blocks: list[nn.Module], every: int = 1) -> list[nn.Module]:
+    """Recompute the activations of every `every`-th block (blocks every-1, 2*every-1, ...; 1 = all,
+    torchtitan's selective per-layer checkpointing) in backward; a block stays the same module
+    (names and hooks unchanged), only its forward is wrapped. Returns the wrapped blocks.
+    The others keep their activations: between full checkpointing's memory and none's speed."""
+    chosen = [b for i, b in enumerate(blocks) if every > 0 and (i + 1) % every == 0]
+    for block in chosen:
         moes = [m for m in block.modules() if isinstance(m, MoE)]
         loras = [m for m in block.modules() if isinstance(m, LoRALinear)]
 
@@ -114,6 +126,7 @@ def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
             return checkpoint(_block.checkpointed_forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
         block.forward = forward
+    return chosen
 
 
 def apply_compile(blocks: list[nn.Module]) -> None:
