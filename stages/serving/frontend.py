@@ -1,5 +1,8 @@
 """Data-parallel serving: N replica processes behind one front end (docs/serving.md, "Replicas").
 
+Why this file is long: the proxy, the replica supervisor (restarts, health) and the rolling
+reload share one replica table and its lock; split apart they would pass it back and forth.
+
 Each replica is a whole single-replica server (`posttrain serve-model ... --port P` on 127.0.0.1)
 in its own process. The front end is a FastAPI app that
 
