@@ -76,7 +76,7 @@ def prompts(n: int, seed: int = 0) -> list[str]:
 
 def make_checkpoint(preset: str, root: Path) -> Path:
     from core.model import build_model, get_preset
-    from flows.byte_tokenizer import byte_tokenizer
+    from registry.byte_tokenizer import byte_tokenizer
     from registry.hf import save_pretrained
 
     cfg = get_preset(preset, initializer_range=0.2)

@@ -159,7 +159,7 @@ def cmd_generate(args) -> int:
         vocab = model.args.vocab_size
         if args.tokenizer is None and is_preset:
             # A preset has random weights and no tokenizer: bytes + ChatML, built in memory.
-            from flows.byte_tokenizer import byte_tokenizer
+            from registry.byte_tokenizer import byte_tokenizer
 
             try:
                 tok = byte_tokenizer(vocab)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from flows.byte_tokenizer import MIN_VOCAB, byte_tokenizer
+from registry.byte_tokenizer import MIN_VOCAB, byte_tokenizer
 from flows.cli import main
 
 LINE = re.compile(r"^(?P<prompt>'.*') -> (?P<text>'.*'|\".*\") \((?P<reason>stop|length)\)$")

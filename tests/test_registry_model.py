@@ -28,7 +28,7 @@ def reg(tmp_path_factory):
     from mlflow import MlflowClient
 
     from core.model import build_model, get_preset
-    from flows.byte_tokenizer import byte_tokenizer
+    from registry.byte_tokenizer import byte_tokenizer
     from registry.hf import save_pretrained
     from registry.mlflow_registry import RegistryConfig, register_and_promote
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from core.generation import Engine, RequestParams
 from core.lora import apply_lora
 from core.model import build_model, get_preset
-from flows.byte_tokenizer import byte_tokenizer
+from registry.byte_tokenizer import byte_tokenizer
 from registry.adapters import save_adapter
 from stages.serving.server import EngineSettings, load_adapters, make_state, parse_adapters, serve
 

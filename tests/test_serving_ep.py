@@ -89,7 +89,7 @@ openai = pytest.importorskip("openai")
 def checkpoint(tmp_path_factory):
     """debug-moe (Mixtral-shaped: 4 experts, top-2) with the byte tokenizer, saved as an HF checkpoint."""
     from core.model import build_model
-    from flows.byte_tokenizer import byte_tokenizer
+    from registry.byte_tokenizer import byte_tokenizer
     from registry.hf import save_pretrained
 
     path = tmp_path_factory.mktemp("moe") / "model"

@@ -30,7 +30,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server():
-    from flows.byte_tokenizer import byte_tokenizer
+    from registry.byte_tokenizer import byte_tokenizer
 
     s = Server(fresh_model(), byte_tokenizer(512))
     yield s
@@ -202,7 +202,7 @@ def test_a_model_that_does_not_come_up_is_rolled_back(fake):
 
 def save_checkpoint(path: Path, seed: int) -> Path:
     from core.model import build_model, get_preset
-    from flows.byte_tokenizer import byte_tokenizer
+    from registry.byte_tokenizer import byte_tokenizer
     from registry.hf import save_pretrained
 
     save_pretrained(build_model(get_preset("debug", initializer_range=0.2), seed=seed), path)

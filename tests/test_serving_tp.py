@@ -96,7 +96,7 @@ def running(pid: int) -> bool:
 def checkpoint(tmp_path_factory):
     """The debug preset with a large init (no greedy ties) and the byte tokenizer, saved as a checkpoint."""
     from core.model import build_model, get_preset
-    from flows.byte_tokenizer import byte_tokenizer
+    from registry.byte_tokenizer import byte_tokenizer
     from registry.hf import save_pretrained
 
     path = tmp_path_factory.mktemp("ckpt") / "model"

@@ -56,7 +56,7 @@ def load_served(model_ref: str, tokenizer_dir: str | None, adapters: dict[str, P
     is_preset = resolve_model_dir(model_ref)[0] is None
     model, _ = load_model(ModelConfig(name_or_path=model_ref), device)
     if tokenizer_dir is None and is_preset:
-        from flows.byte_tokenizer import byte_tokenizer
+        from registry.byte_tokenizer import byte_tokenizer
 
         try:
             tok = byte_tokenizer(model.args.vocab_size)
