@@ -345,13 +345,9 @@ class DPOConfig(TrainStageConfig):
         return 2 * self.data.micro_batch_size  # a pair's chosen and rejected rows
 
     def no_cp_under_pp(self) -> str | None:
-        # sampling decodes stage by stage, which has no ring (and is not checked so); the LoRA
-        # base's forward-only pass before each step through the policy's own schedule gives other
-        # gradients than one process under cp (not found why yet): precomputed and model do not
+        # sampling decodes stage by stage, which has no ring (and is not checked so)
         if self.pairs == "on_policy":
             return "on-policy DPO (pairs: on_policy)"
-        if self.reference == "disable_adapter" and not self.reference_free:
-            return "DPO with reference: disable_adapter (use reference: precomputed or model)"
         return None
 
     lora: LoRAConfig = Field(LoRAConfig(enabled=True), description="Adapters; the base is the reference.")

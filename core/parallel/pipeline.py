@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining._utils import InferenceMode
 
 from core.parallel.config import ParallelConfig
 from core.model.model import Transformer, attention_masks
@@ -127,6 +129,30 @@ class PipelineStageModule(nn.Module):
                 self.aux_loss_sum = self.aux_loss_sum + aux.detach()
                 x = _AttachAux.apply(x, aux, weight)
         return x
+
+
+class _Stage(PipelineStage):
+    """torch's PipelineStage, keeping the gradients accumulated in an optimizer step when a
+    forward-only (eval) schedule step comes between its micro-batches, as DPO's `reference:
+    disable_adapter` runs one before each. torch 2.13 loses them twice there: each switch
+    between eval and training re-prepares the stage and then sets every FSDP parameter's .grad to
+    None (to drop what a metadata-inference forward and backward left, but this stage is given
+    its shapes, `_stage_metas`, so no such pass ran), and the eval step ends with FSDP's
+    post-backward and the gradient scaling, as if it had run a backward. Seen as a gradient norm
+    0.72x one process's under PP x FSDP (and PP x CP, FSDP over the cp ranks) with 2 accumulated
+    micro-batches (tests/parallel/test_pipeline_parallel.py)."""
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        if self._inference_mode == InferenceMode.DYNAMIC:
+            super()._post_metadata_inference_cleanup()
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if self.has_backward:
+            super().perform_reduce_grad(grad_scale_factor)
+            return
+        for module in self.submod.modules():  # forward only: free what it gathered, reduce nothing
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
@@ -274,7 +300,7 @@ def build_pipeline(model: Transformer, cfg: ParallelConfig, mesh: ParallelMesh, 
     for m, s in zip(modules, ids):
         inputs, outputs = _stage_metas(m, microbatch_size, seq_len, packed, dtype, mesh.size("tp"), device)
         grads = lambda ts: tuple(t if t.is_floating_point() else None for t in ts)  # noqa: E731
-        stages.append(PipelineStage(m, s, n, device, input_args=inputs, output_args=outputs,
+        stages.append(_Stage(m, s, n, device, input_args=inputs, output_args=outputs,
                                     input_grads=grads(inputs), output_grads=grads(outputs), group=mesh.group("pp")))
     microbatches = cfg.pp_microbatches or pp
     cls = SCHEDULES[cfg.pp_schedule]

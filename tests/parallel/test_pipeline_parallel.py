@@ -102,3 +102,34 @@ def test_pipeline_x_tensor_and_data_parallel_match_single_process():
         bad = {k: v for k, v in rank_res.items() if not v <= TOL}
         assert not bad, f"differences above {TOL}: {bad}"
     print("\n".join(f"{k}: {v:.2e}" for k, v in sorted(res[0].items())))
+
+
+def _accumulate_around_eval(world: int) -> float:
+    """pp=2 x FSDP 2: two training steps accumulated into one gradient, with and without a
+    forward-only step before each (what DPO's disable_adapter reference runs); the largest
+    difference of any gradient."""
+    from tests.parallel._dist import full
+
+    cfg, mesh, device = setup(world, pp=2, dp_shard=2, pp_microbatches=2)
+    args = model_args("debug", num_layers=4, tie_embeddings=False)
+    ids, _ = batch(args, B=8, T=16)
+    ref = reference_model(args)
+    grads = []
+    for with_eval in (False, True):
+        pipe = parallelize_pipeline(clone(ref), cfg, mesh, cross_entropy, device, microbatch_size=1, seq_len=16)
+        for half in dp_shard(ids, mesh).chunk(2):
+            if with_eval:
+                with torch.no_grad():
+                    pipe.step(half, target=half, backward=False)
+            pipe.step(half, target=half)
+        grads.append({n: full(p.grad) for m in pipe.modules for n, p in m.named_parameters()})
+    assert grads[0].keys() == grads[1].keys() and all(g is not None for g in grads[0].values())
+    return max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
+
+
+@pytest.mark.slow
+def test_a_forward_only_step_keeps_the_gradients_accumulated_under_fsdp():
+    """torch clears an FSDP stage's gradients whenever a schedule switches between eval and
+    training (core.parallel.pipeline._Stage keeps them): accumulated micro-batches must survive
+    a forward-only pass between them."""
+    assert run_ranks(_accumulate_around_eval, 4, 4) == [0.0] * 4
