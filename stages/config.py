@@ -154,18 +154,10 @@ class TrainStageConfig(StageConfig):
         """Rows of one micro-batch under pipeline parallelism (the schedule's fixed shape)."""
         return self.data.micro_batch_size
 
-    def no_cp_under_pp(self) -> str | None:
-        """What of this stage cannot run with cp beside pp (None: it all runs)."""
-        return None
-
     def _check_pipeline(self) -> None:
         """What pipeline parallelism needs: fixed (rows, tokens) microbatches, and dimensions it
         does not combine with in the stages yet."""
         p, data = self.parallel, self.data
-        why = self.no_cp_under_pp() if p.cp > 1 else None
-        if why:
-            raise ValueError(f"parallel.cp: {why} with context parallelism (cp={p.cp}) and pipeline parallelism "
-                             f"(pp={p.pp}) does not run yet; use cp or pp")
         split = 2 * p.cp * (p.tp if p.sequence_parallel else 1)
         if p.cp > 1 and data.max_seq_len % split:
             raise ValueError(f"data.max_seq_len: {data.max_seq_len} tokens per row do not split into the 2 x cp "
@@ -320,18 +312,11 @@ class DistillConfig(TrainStageConfig):
 
     def teacher_layout(self) -> ParallelConfig:
         """The teacher's layout: teacher.parallel, else the student's (without expert parallelism,
-        which the teacher's own experts may not divide; offline the teacher scores whole documents
-        before training, so without context parallelism)."""
-        layout = self.teacher.parallel or self.parallel.model_copy(update={"ep": 1})
-        if self.mode == "offline":
-            layout = layout.model_copy(update={"cp": 1})
-        return layout
+        which the teacher's own experts may not divide). Offline, it scores whole documents before
+        training as an ordinary model (stages.distill.score_teacher), and the held-out KL runs
+        it on the student's context-parallel shards."""
+        return self.teacher.parallel or self.parallel.model_copy(update={"ep": 1})
 
-    def no_cp_under_pp(self) -> str | None:
-        # the cache is scored on whole rows, which a pipeline built for cp-chunked rows cannot take;
-        # on-policy sampling decodes stage by stage, which has no ring (and is not checked so)
-        return {"offline": "offline distillation (mode: offline)",
-                "on_policy": "on-policy distillation (mode: on_policy, GKD)"}.get(self.mode)
 
 
 PreferenceLoss = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
@@ -343,12 +328,6 @@ class DPOConfig(TrainStageConfig):
 
     def pipeline_rows(self) -> int:
         return 2 * self.data.micro_batch_size  # a pair's chosen and rejected rows
-
-    def no_cp_under_pp(self) -> str | None:
-        # sampling decodes stage by stage, which has no ring (and is not checked so)
-        if self.pairs == "on_policy":
-            return "on-policy DPO (pairs: on_policy)"
-        return None
 
     lora: LoRAConfig = Field(LoRAConfig(enabled=True), description="Adapters; the base is the reference.")
     optim: OptimConfig = Field(OptimConfig(lr=5e-5), description="Optimizer; DPO wants a small lr.")

@@ -21,6 +21,7 @@ share in on_policy mode (time/student_sampling_frac).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from core.parallel.config import ParallelConfig
 from stages.config import DistillConfig
 from core.data.encode import Document, last_run_start
 from core.data.packing import collate_padded, collate_padding_free
@@ -230,7 +232,8 @@ class TeacherTopK:
 
 
 @torch.no_grad()
-def score_teacher(teacher, docs: list[Document], k: int, cache: Path, teacher_id: str, d: Dist) -> TeacherTopK:
+def score_teacher(teacher, docs: list[Document], k: int, cache: Path, teacher_id: str, d: Dist,
+                  layout: ParallelConfig) -> TeacherTopK:
     """Score the documents with the teacher into its TeacherTopK cache (unless complete): the
     chunks still missing are dealt round-robin to the sampling units (each rank, or each tp group,
     whose ranks score the same chunk in lockstep: core.objectives.teacher_topk), each unit's first
@@ -248,14 +251,19 @@ def score_teacher(teacher, docs: list[Document], k: int, cache: Path, teacher_id
     rounds = (len(todo) + units - 1) // units
     topk.dir.mkdir(parents=True, exist_ok=True)
     teacher.eval()
-    for r in range(rounds):
-        c = mine[r] if r < len(mine) else todo[0]
-        chunk = docs[c * CACHE_CHUNK:(c + 1) * CACHE_CHUNK]
-        ids, logps = teacher_topk(teacher, to_device(collate_padding_free(chunk), d.device), k)
-        if r < len(mine) and writes:
-            tmp = topk.path(c).with_name(f".{topk.path(c).name}.{os.getpid()}.tmp")
-            save_file({"ids": ids.cpu(), "logps": logps.cpu()}, str(tmp))
-            os.replace(tmp, topk.path(c))
+    # whole documents: under CP the teacher attends as an ordinary model meanwhile (each cp rank
+    # scoring its own chunks); under PP its stages run one after the other (StagedModel), calling
+    # their parts directly. An FSDP-sharded teacher is then gathered whole, as for sampling.
+    whole = sampling(teacher, layout) if layout.cp > 1 or layout.pp > 1 else contextlib.nullcontext()
+    with whole:
+        for r in range(rounds):
+            c = mine[r] if r < len(mine) else todo[0]
+            chunk = docs[c * CACHE_CHUNK:(c + 1) * CACHE_CHUNK]
+            ids, logps = teacher_topk(teacher, to_device(collate_padding_free(chunk), d.device), k)
+            if r < len(mine) and writes:
+                tmp = topk.path(c).with_name(f".{topk.path(c).name}.{os.getpid()}.tmp")
+                save_file({"ids": ids.cpu(), "logps": logps.cpu()}, str(tmp))
+                os.replace(tmp, topk.path(c))
     d.barrier()
     if d.is_main:
         missing = [c for c in range(topk.chunks) if not topk.path(c).exists()]
@@ -307,7 +315,7 @@ class Distill:
         objective = online
         if cfg.mode == "offline":  # before training: not part of the step time
             cache = Path(cfg.teacher_cache) if cfg.teacher_cache else s.out / "teacher_cache"
-            topk = score_teacher(teacher, train_docs, cfg.top_k, cache, teacher_id, d)
+            topk = score_teacher(teacher, train_docs, cfg.top_k, cache, teacher_id, d, cfg.teacher_layout())
             objective = topk_distill_objective(topk.rows, *kd) if pipe is None else \
                 pipelined_topk_distill(pipe, topk.rows, cfg.pipeline_rows(), cfg.data.max_seq_len, d.mesh.group("pp"),
                                        *kd)

@@ -13,11 +13,12 @@ SFT under FSDP, TP+SP, CP x TP, EP x FSDP / EP x TP (an MoE model), EP x TP with
 experts, PP, PP x FSDP and PP x TP (LoRA), and a killed and resumed run under FSDP, TP and PP
 bitwise equal to the uninterrupted one; QLoRA under FSDP (resumed too) and under TP; DPO under
 CP x FSDP, EP x FSDP, PP (reference: the LoRA base, or a frozen copy in the same stages) and
-PP x FSDP (precomputed), on-policy under CP, TP and PP; online distillation with the teacher laid
-out as the student under CP and TP, with a layout of its own (sharded while the student
-replicates), of an MoE student under EP x FSDP, and under PP x TP (the teacher split into the
-same stages); GKD (on-policy) under CP, TP and PP; offline distillation under FSDP (the teacher's
-cache scored by both ranks), TP (top-k of the vocab-split logits) and PP.
+PP x FSDP (precomputed), PP x CP (the LoRA base between accumulated micro-batches), on-policy
+under CP, TP and PP x CP; online distillation with the teacher laid out as the student under CP
+and TP, with a layout of its own (sharded while the student replicates), of an MoE student under
+EP x FSDP, and under PP x TP and PP x CP (the teacher split into the same stages); GKD
+(on-policy) under CP, TP and PP x CP; offline distillation under FSDP (the teacher's cache
+scored by both ranks), TP (top-k of the vocab-split logits), CP and PP x CP.
 """
 
 from __future__ import annotations
@@ -398,12 +399,13 @@ ON_POLICY = dict(pairs="on_policy", reference="precomputed", num_samples=2, max_
     ("dpo-op-cp", {"cp": 2}),
     # decodes with its KV heads split over tp (no sequence split), both tp ranks on the same rows
     ("dpo-op-tp", {"tp": 2}),
-    # decodes stage by stage (core.parallel.pipeline_decode), then trains on the pairs pipelined
-    ("dpo-op-pp", {"pp": 2}),
+    # decodes stage by stage (core.parallel.pipeline_decode), each cp rank its own prompts as an
+    # ordinary model (its stages' FSDP units gathered), then trains on the pairs pipelined and on a ring
+    ("dpo-op-pp-cp", {"pp": 2, "cp": 2}),
 ])
 def test_on_policy_dpo_under_parallel_layouts_matches_one_process(root, on_policy_reference, layout, parallel):
     cfg = dpo_config(root, layout, parallel=parallel, optim=optim(2, lr=5e-3), **ON_POLICY)
-    records = torchrun_stage(cfg, root / f".work-{layout}", 2)
+    records = torchrun_stage(cfg, root / f".work-{layout}", 4 if "pp" in parallel else 2)
     assert_same_run(records, on_policy_reference, root / layout, root / "dpo-op-ref",
                     ("val/accuracy", "val/margin", "val/chosen", "val/rejected"))
     same = [(root / d / "on_policy" / "train.jsonl").read_text() for d in ("dpo-op-ref", layout)]
@@ -447,8 +449,8 @@ def gkd_reference(root):
     ("gkd-cp", {"cp": 2}),  # the student samples as an ordinary model, then trains on its samples cut over cp
     ("gkd-tp", {"tp": 2}),  # the tp group decodes in lockstep on the same prompts
     # decodes stage by stage; the samples keep their prompts' rows (the pipeline's fixed shapes),
-    # the teacher split into the same stages
-    ("gkd-pp", {"pp": 2}),
+    # the teacher split into the same stages; both on a ring for training
+    ("gkd-pp-cp", {"pp": 2, "cp": 2}),
 ])
 def test_on_policy_distillation_under_parallel_layouts_matches_one_process(root, gkd_reference, layout, parallel):
     """GKD (mode on_policy): half the batches are the student's own completions, scored by the
@@ -460,7 +462,7 @@ def test_on_policy_distillation_under_parallel_layouts_matches_one_process(root,
         data, ref_dir = {"data": dict(PP_DATA, packing=False)}, "gkd-pp-ref"
         ref = in_process(distill_config(root, ref_dir, optim=optim(2), **data, **GKD))
     cfg = distill_config(root, layout, parallel=parallel, optim=optim(2), **data, **GKD)
-    records = torchrun_stage(cfg, root / f".work-{layout}", 2)
+    records = torchrun_stage(cfg, root / f".work-{layout}", 4 if "pp" in parallel else 2)
     assert_same_run(records, ref, root / layout, root / ref_dir, ("val/kl_initial", "val/kl"))
     metrics = [json.loads((root / d / "manifest.json").read_text())["metrics"] for d in (ref_dir, layout)]
     assert metrics[0]["on_policy/samples"] == metrics[1]["on_policy/samples"] > 0
@@ -510,22 +512,25 @@ def kd_offline_reference(root):
 @pytest.mark.parametrize("layout,parallel,grad_accum", [
     ("kd-off-fsdp", {"dp_shard": 2}, 1),
     ("kd-off-tp", {"tp": 2, "sequence_parallel": True}, 2),
-    ("kd-off-pp", {"pp": 2}, 2),
+    ("kd-off-cp", {"cp": 2}, 2),
+    ("kd-off-pp-cp", {"pp": 2, "cp": 2}, 2),
 ])
-def test_offline_distillation_under_fsdp_tp_and_pp_matches_one_process(root, kd_offline_reference, layout, parallel,
-                                                                       grad_accum):
+def test_offline_distillation_under_fsdp_tp_cp_and_pp_matches_one_process(root, kd_offline_reference, layout,
+                                                                          parallel, grad_accum):
     """Under FSDP the sharded teacher scores the documents chunk by chunk, the chunks dealt to the
     2 ranks, each writing its own files; under TP the tp group scores every chunk together (top-k
     of the vocab-split logits), its first rank writing; under PP the teacher split into the
     student's stages scores each chunk stage by stage, and the top-k rows are laid out as the
-    pipeline's rows for the student's last stage. Training reads the same rows as one process,
-    the student's loss vocab-parallel under TP."""
+    pipeline's rows for the student's last stage. Under CP each cp rank scores its own chunks
+    with the teacher attending as an ordinary model (under PP x CP its stages' FSDP units
+    gathered), and the held-out KL runs it on the ring. Training reads the same rows as one
+    process, the student's loss vocab-parallel under TP."""
     ref, ref_dir, data = kd_offline_reference, root / "kd-off-ref", {}
     if "pp" in parallel:  # fixed shapes: micro-batches of rows (its own one-process reference)
         data, ref_dir = {"data": PP_DATA}, root / "kd-off-pp-ref"
         ref = in_process(distill_config(root, ref_dir.name, mode="offline", top_k=8, optim=optim(2), **data))
     cfg = distill_config(root, layout, mode="offline", top_k=8, parallel=parallel, optim=optim(grad_accum), **data)
-    records = torchrun_stage(cfg, root / f".work-{layout}", 2)
+    records = torchrun_stage(cfg, root / f".work-{layout}", 4 if "pp" in parallel else 2)
     assert_same_run(records, ref, root / layout, ref_dir, ("val/kl_initial", "val/kl"))
     (one,) = (ref_dir / "teacher_cache").glob("top8-*")
     (two,) = (root / layout / "teacher_cache").glob("top8-*")
@@ -585,11 +590,7 @@ def test_unsupported_layouts_are_refused_when_the_config_loads():
         load_config(SFTConfig, overrides=["parallel.pp=2", "data.batch_tokens=512"])
     with pytest.raises(ConfigError, match=r"^data\.micro_batch_size: 6 rows do not split into 4 pipeline"):
         load_config(SFTConfig, overrides=["parallel.pp=2", "parallel.pp_microbatches=4", "data.micro_batch_size=6"])
-    with pytest.raises(ConfigError, match=r"^parallel\.cp: on-policy DPO \(pairs: on_policy\) with context"):
-        load_config(DPOConfig, overrides=["parallel.pp=2", "parallel.cp=2", "pairs=on_policy"])
     assert load_config(DPOConfig, overrides=["parallel.pp=2", "parallel.cp=2"]).reference == "disable_adapter"
-    with pytest.raises(ConfigError, match=r"^parallel\.cp: offline distillation .* pipeline parallelism \(pp=2\)"):
-        load_config(DistillConfig, overrides=["parallel.pp=2", "parallel.cp=2", "mode=offline"])
     with pytest.raises(ConfigError, match=r"^data\.max_seq_len: 102 tokens per row do not split into the 2 x cp"):
         load_config(SFTConfig, overrides=["parallel.pp=2", "parallel.cp=2", "data.max_seq_len=102"])
 
