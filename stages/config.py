@@ -605,9 +605,9 @@ class EvalConfig(StageConfig):
         if max(self.pass_k, default=1) > self.num_samples:
             raise ValueError(f"pass_k={self.pass_k} needs num_samples >= {max(self.pass_k)}")
         p = self.parallel
-        if p.pp > 1 and (p.dp_shard > 1 or p.cp > 1 or p.ep > 1):
-            raise ValueError(f"parallel.pp: evaluation under pipeline parallelism (pp={p.pp}) splits each model "
-                             "into stages (x tp) with data-parallel replicas; not with dp_shard, cp or ep sharding")
+        if p.pp > 1 and p.ep > 1:
+            raise ValueError(f"parallel.ep: evaluation under pipeline parallelism (pp={p.pp}) splits each model "
+                             "into stages (x tp, x dp_shard / cp sharding); not with expert parallelism")
         check_engine_layout(self.sampler, p)
         self._check_metrics()
         if self.launcher is not None:

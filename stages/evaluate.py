@@ -115,23 +115,39 @@ def load_staged(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
     reading only its stages' blocks (core.parallel.pipeline.keep_own_stages). Its forward walks
     the stages in turn and generation decodes stage by stage (core.parallel.pipeline_decode); the
     ranks of a pipeline (and their tp groups) score the same batches, the data-parallel replicas
-    their own. No sequence split under tp (whole rows, as for decoding)."""
+    their own. No sequence split under tp (whole rows, as for decoding). Sharded (`sharded`:
+    dp_shard > 1 or cp, which joins dp_shard as rows are whole), each stage is FSDP for
+    inference as in load_split: its blocks gathered for their forward only, its embedding, norm
+    and head kept whole (the stage walk calls them directly), the ranks in lockstep."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
     from core.parallel import ParallelDims, ParallelMesh, parallelize_pipeline
     from core.parallel.pipeline import keep_own_stages
 
     model, _ = load_model(model_cfg, d.device, cfg.seed, meta=True)
-    layout = cfg.parallel.model_copy(update={"ep": 1, "sequence_parallel": False})
+    layout = rows_whole(cfg.parallel, d.world).model_copy(update={"ep": 1, "sequence_parallel": False})
     try:
         ParallelDims.from_config(layout, d.world, model.args)
         if d.mesh is None:  # one mesh for every model
             d.mesh = ParallelMesh(ParallelDims.from_config(layout, d.world), d.device.type)
     except ValueError as e:
         raise fail(f"parallel: {e} (model {model_cfg.name_or_path!r})") from None
+    fsdp = sharded(cfg) and d.mesh.dims.fsdp
     pipe = parallelize_pipeline(model.requires_grad_(False), layout, d.mesh, lambda logits, target: logits.sum(),
-                                d.device, 1, 1, data_parallel=False)
+                                d.device, 1, 1, data_parallel=fsdp)
     keep_own_stages(model, pipe)
     materialize_model(model, model_cfg, d.device, cfg.seed)
-    log.info("evaluate: %s split into pipeline stages over %s", model_cfg.name_or_path, d.mesh)
+    for stage in pipe.modules if fsdp else ():
+        if isinstance(stage, FSDPModule):  # the root first (FSDP takes the first to run forward for it)
+            fully_shard.state(stage)._lazy_init()
+            stage.set_reshard_after_forward(True)
+            stage.set_reshard_after_forward(False, recurse=False)
+            stage.unshard()  # the root's own parameters only (not recursive)
+    if sharded(cfg) and d.world > 1:
+        d.lockstep = dist.group.WORLD
+    log.info("evaluate: %s split into pipeline stages over %s%s", model_cfg.name_or_path, d.mesh,
+             ", sharded (fsdp), the ranks in lockstep" if d.lockstep is not None else "")
     return model
 
 

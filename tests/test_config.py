@@ -325,8 +325,8 @@ def test_cross_field_errors_name_the_node(tmp_path):
         demo("nodes.student.save=adapter")
     with pytest.raises(ConfigError, match=r"^nodes\.prep: val_fraction \+ test_fraction must leave"):
         demo("nodes.prep.val_fraction=0.5", "nodes.prep.test_fraction=0.5")
-    with pytest.raises(ConfigError, match=r"^nodes\.evaluate\.parallel\.pp: evaluation under pipeline .* not with "):
-        demo("nodes.evaluate.parallel.pp=2", "nodes.evaluate.parallel.cp=2")
+    with pytest.raises(ConfigError, match=r"^nodes\.evaluate\.parallel\.ep: evaluation under pipeline .* not with "):
+        demo("nodes.evaluate.parallel.pp=2", "nodes.evaluate.parallel.ep=2")
     with pytest.raises(ConfigError, match="top_k"):
         load_config(DistillConfig, None, ["mode=offline"])
     with pytest.raises(ConfigError, match="double_quant"):

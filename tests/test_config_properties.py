@@ -469,8 +469,8 @@ def test_impossible_layout_stops_the_cli_before_any_launch(monkeypatch, capsys):
     assert err.startswith("config error: nodes.dpo.parallel: world size 2") and "(from --set nodes.dpo.parallel.cp=4)" in err
     assert main(["run", "--set", "nodes.dpo.parallel.cp=4"]) == 2  # refused before the flow starts
     assert "config error: nodes.dpo.parallel: world size 2" in capsys.readouterr().err
-    assert main(["run", "--set", "nodes.evaluate.parallel.pp=2", "--set", "nodes.evaluate.parallel.cp=2"]) == 2
-    assert "config error: nodes.evaluate.parallel.pp: evaluation under pipeline" in capsys.readouterr().err
+    assert main(["run", "--set", "nodes.evaluate.parallel.pp=2", "--set", "nodes.evaluate.parallel.ep=2"]) == 2
+    assert "config error: nodes.evaluate.parallel.ep: evaluation under pipeline" in capsys.readouterr().err
     assert main(["run", "--set", "nodes.student.parallel.pp=2"]) == 2  # SFT runs pp, on fixed shapes only
     assert "config error: nodes.student.data.batch_tokens: pipeline parallelism" in capsys.readouterr().err
     assert main(["config", "--set", "nodes.teacher.output_dir=../../elsewhere"]) == 2

@@ -474,9 +474,11 @@ def test_selection_and_names():
     ({"ep": 2}, ("moe", "alpha")),          # an MoE's experts spread over the ranks (the dense one sharded)
     ({"pp": 2}, ("alpha", "moe")),          # each model in 2 pipeline stages: forwards and decoding stage by stage
     ({"cp": 2}, ("alpha", "beta")),         # sharded over the cp ranks (whole rows each), in lockstep
-], ids=["data_parallel", "tp", "fsdp", "ep", "pp", "cp"])
+    # 4 ranks: 2 stages, each sharded over the 2 cp ranks (rows whole), the stage walk in lockstep
+    ({"pp": 2, "cp": 2}, ("alpha", "moe")),
+], ids=["data_parallel", "tp", "fsdp", "ep", "pp", "cp", "pp_cp"])
 def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path, parallel, models):
-    """Sampled generations, perplexity and pairs over 2 torchrun ranks equal one process's: the same
+    """Sampled generations, perplexity and pairs over 2 (4) torchrun ranks equal one process's: the same
     samples, the same metrics (log-probs to float rounding). Sharded (FSDP, EP), every forward is
     collective: a rank out of batches runs filler forwards, and decoding goes on until both ranks'
     rows are done."""
@@ -488,8 +490,9 @@ def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path
     common = dict(models=[str(tiny / m) for m in models], data=[str(user_data["file"])], batch_size=2,
                   temperature=1.0, num_samples=2, pass_k=[1, 2], max_new_tokens=NEW, tracking=OFF)
     one = run(EvalConfig(output_dir=str(tmp_path / "one"), **common))
-    spec = EvalConfig(output_dir=str(tmp_path / "two"), launcher=LauncherConfig(nproc_per_node=2), parallel=parallel,
-                      **common)
+    nproc = 4 if len(parallel) > 1 else 2
+    spec = EvalConfig(output_dir=str(tmp_path / "two"), launcher=LauncherConfig(nproc_per_node=nproc),
+                      parallel=parallel, **common)
     result = Launch("evaluate", spec, spec.launcher, workdir=tmp_path / ".launch").start().wait()
     log = Path(result.log_file).read_text()
     assert result.ok, log[-3000:]

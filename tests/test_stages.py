@@ -255,8 +255,9 @@ def test_evaluation_refuses_model_parallel_layouts():
     from core.config import ConfigError, load_config
     from stages.config import EvalConfig
 
-    with pytest.raises(ConfigError, match=r"^parallel\.pp: evaluation under pipeline parallelism \(pp=2\) splits"):
-        load_config(EvalConfig, overrides=["parallel.pp=2", "parallel.dp_shard=2"])
+    with pytest.raises(ConfigError, match=r"^parallel\.ep: evaluation under pipeline parallelism \(pp=2\) splits"):
+        load_config(EvalConfig, overrides=["parallel.pp=2", "parallel.ep=2"])
+    assert load_config(EvalConfig, overrides=["parallel.pp=2", "parallel.dp_shard=2", "parallel.cp=2"]).parallel.cp == 2
     assert load_config(EvalConfig, overrides=["parallel.pp=2", "parallel.tp=2"]).parallel.pp == 2  # stages x tp
 
 
