@@ -5,6 +5,8 @@
     full   429 with Retry-After: 3 (its queue is full)
     die    the process exits mid-request (before any answer; a stream after its first event)
     hang   never answers
+    watch  answers only after 20 s, meanwhile watching its connection: GET /stats gives
+           {"dropped": the requests whose caller closed the connection first}
     exit   exits at once, with status 3 (a model that does not load)
 """
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import socket
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 PORT, MODE = int(sys.argv[1]), sys.argv[2]
 if MODE == "exit":
     sys.exit(3)
+DROPPED = [0]
 EVENT = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "fake",
          "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}]}
 
@@ -42,6 +47,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/health":
             self._json(200, {"status": "ok"})
+        elif self.path == "/stats":
+            self._json(200, {"dropped": DROPPED[0]})
         else:
             self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model"}], "port": PORT})
 
@@ -53,6 +60,14 @@ class Handler(BaseHTTPRequestHandler):
                                        "code": "queue_full"}}, {"Retry-After": "3"})
         elif MODE == "hang":
             time.sleep(3600)
+        elif MODE == "watch":
+            deadline = time.time() + 20
+            while time.time() < deadline:
+                if select.select([self.connection], [], [], 0.05)[0] and \
+                        not self.connection.recv(1, socket.MSG_PEEK):  # readable with nothing: closed
+                    DROPPED[0] += 1
+                    return
+            self._json(200, {**EVENT, "port": PORT})
         elif MODE == "die" and not stream:
             os._exit(1)
         elif stream:

@@ -267,6 +267,23 @@ def test_a_replica_that_never_answers_times_out():
         fe.close()
 
 
+def test_a_client_that_gives_up_on_a_json_answer_is_dropped_at_its_replica():
+    """A non-streaming caller that goes away: the front end cancels its call to the replica, whose
+    connection closes (a real replica then aborts the request in its engine: tests/test_serving_rollout.py)."""
+    fe = Frontend(["watch"])
+    try:
+        replica = fe.sup.replicas[0].url
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{fe.url}/v1/completions", json=BODY, timeout=0.5)
+        wait_for(lambda: httpx.get(f"{replica}/stats", timeout=5).json()["dropped"] == 1, 10,
+                 "the replica to see its connection closed")
+        assert fe.metric("posttrain_frontend_cancelled_total", '{replica="0"}') == 1
+        wait_for(lambda: fe.metric("posttrain_frontend_inflight_requests", '{replica="0"}') == 0, 5,
+                 "the request to leave the router's count")
+    finally:
+        fe.close()
+
+
 def test_the_front_end_checks_the_key_and_health_shows_each_replica():
     fe = Frontend(["ok", "ok"], api_key=KEY)
     fe.auth = {"Authorization": f"Bearer {KEY}"}

@@ -112,7 +112,7 @@ class Pending:
 
     async def result(self, request: Request) -> RequestOutput | None:
         """The request's output; None (and the request aborted) once the client has disconnected."""
-        waiter, listener = asyncio.ensure_future(self._result()), asyncio.ensure_future(_disconnect(request))
+        waiter, listener = asyncio.ensure_future(self._result()), asyncio.ensure_future(client_gone(request))
         try:
             await asyncio.wait({waiter, listener}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this task is cancelled
@@ -131,7 +131,7 @@ class Pending:
                 raise _engine_error(payload)
 
 
-async def _disconnect(request: Request) -> None:
+async def client_gone(request: Request) -> None:
     """Returns when the client has gone away (the body is read: nothing else can come)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass

@@ -43,7 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from stages.serving.app import authorized, unauthorized
+from stages.serving.app import authorized, client_gone, unauthorized
 from stages.serving.protocol import APIError
 from stages.serving.routing import Router, estimate_cost
 
@@ -113,10 +113,12 @@ class Metrics:
                               "retries used up, timeout, a stream broken", ["reason"], registry=r)
         self.restarts = Counter("posttrain_frontend_replica_restarts", "replica processes started again", label,
                                 registry=r)
+        self.cancelled = Counter("posttrain_frontend_cancelled", "JSON answers whose client went away first: "
+                                 "the call to the replica is dropped, which aborts it there", label, registry=r)
         self.requests = Counter("posttrain_frontend_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
         for rep in sup.replicas:  # every series exists from the start
-            for c in (self.routed, self.retried, self.refused, self.restarts, self.replica_reloads):
+            for c in (self.routed, self.retried, self.refused, self.restarts, self.replica_reloads, self.cancelled):
                 c.labels(str(rep.index))
             self.model.labels(str(rep.index), rep.version).set(1)
         for result in ("rolled", "unchanged", "refused", "failed"):
@@ -487,7 +489,10 @@ def build_frontend(sup: Supervisor, api_key: str | None = None, max_retries: int
             handed_off = False
             try:
                 req = client.build_request("POST", rep.url + path, content=raw, headers=headers)
-                resp = await client.send(req, stream=stream)
+                resp = await sent_unless_gone(request, client.send(req, stream=stream), stream)
+                if resp is None:  # the client went away waiting for a JSON answer: the replica's call was dropped
+                    metrics.cancelled.labels(str(i)).inc()
+                    return Response(status_code=499)  # nobody reads it
                 if resp.status_code == 429:
                     metrics.refused.labels(str(i)).inc()
                     refusals.append(resp.headers.get("retry-after", "1"))
@@ -524,6 +529,27 @@ def build_frontend(sup: Supervisor, api_key: str | None = None, max_retries: int
             return _error(APIError(429, "every replica is at its request limit; retry later", type="rate_limit_error",
                                    code="queue_full", headers={"Retry-After": max(refusals, key=_seconds)}))
         return no_replica()
+
+    async def sent_unless_gone(request: Request, sending, stream: bool) -> httpx.Response | None:
+        """The replica's response; for a JSON answer (not a stream, which Starlette cancels itself on
+        http.disconnect) None once the client has gone away first: the call is cancelled, which
+        closes its connection, and the replica aborts the request (stages.serving.app)."""
+        if stream:
+            return await sending
+        task, gone = asyncio.ensure_future(sending), asyncio.ensure_future(client_gone(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this handler cancelled (shutdown): the call goes with it
+            task.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            await task
+        return None
 
     async def relay(resp: httpx.Response, i: int, cost: int):
         """The replica's events, whole ones only; a broken stream ends with an error event."""
