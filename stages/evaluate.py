@@ -120,7 +120,7 @@ def load_staged(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
     inference as in load_split: its blocks gathered for their forward only, its embedding, norm
     and head kept whole (the stage walk calls them directly), the ranks in lockstep."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
 
     from core.parallel import ParallelDims, ParallelMesh, parallelize_pipeline
     from core.parallel.pipeline import keep_own_stages
@@ -138,9 +138,10 @@ def load_staged(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
                                 d.device, 1, 1, data_parallel=fsdp)
     keep_own_stages(model, pipe)
     materialize_model(model, model_cfg, d.device, cfg.seed)
+    if fsdp:
+        pipe.claim_fsdp_roots()
     for stage in pipe.modules if fsdp else ():
-        if isinstance(stage, FSDPModule):  # the root first (FSDP takes the first to run forward for it)
-            fully_shard.state(stage)._lazy_init()
+        if isinstance(stage, FSDPModule):
             stage.set_reshard_after_forward(True)
             stage.set_reshard_after_forward(False, recurse=False)
             stage.unshard()  # the root's own parameters only (not recursive)

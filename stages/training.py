@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from core.data.config import DataConfig
@@ -161,10 +161,8 @@ def sampling(model, cfg: ParallelConfig, gather: bool = True):
         return
     for r in roots:
         r.set_reshard_after_forward(False)
-        if pipe is not None and isinstance(r, FSDPModule):
-            # the decode loop calls a stage's blocks, not the stage, and FSDP takes the first module
-            # to run forward for its root: the stage is made the root first
-            fully_shard.state(r)._lazy_init()
+    if pipe is not None:  # the decode loop calls a stage's blocks, not the stage
+        pipe.claim_fsdp_roots()
     for m in units:
         m.unshard()
     try:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining._utils import InferenceMode
 
 from core.parallel.config import ParallelConfig
@@ -253,6 +253,15 @@ class Pipeline:
     def init_buffers(self, device: torch.device) -> None:
         for m in self.modules:
             m.init_buffers(device)
+
+    def claim_fsdp_roots(self) -> None:
+        """Make each FSDP-wrapped stage of this rank its FSDP root now. FSDP takes the first module
+        to run forward for the root, and code that calls a stage's parts directly (the stage walk
+        of core.parallel.pipeline_decode) would make a block the root, after which a forward
+        through the stage fails. Idempotent."""
+        for m in self.modules:
+            if isinstance(m, FSDPModule):
+                fully_shard.state(m)._lazy_init()
 
 
 def _stage_metas(mod: PipelineStageModule, mb: int, seq: int, packed: bool, dtype: torch.dtype, tp: int, dev):
