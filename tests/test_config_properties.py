@@ -307,9 +307,7 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
         if node in ("teacher", "distill", "dpo"):  # the training stages run pp: stages.config's checks in order
             cp, tp, data = sizes["cp"], sizes["tp"], DEFAULT["nodes"][node]["data"]
             sp = tp if tp > 1 else 1  # (sequence parallelism is on by default)
-            if cp > 1 and node == "dpo":  # what cp beside pp does not run: the demo's dpo samples on-policy
-                refused = "parallel.cp"
-            elif cp > 1 and data["max_seq_len"] % (2 * cp * sp):  # rows cut into 2 x cp (x tp) chunks
+            if cp > 1 and data["max_seq_len"] % (2 * cp * sp):  # rows cut into 2 x cp (x tp) chunks
                 refused = "data.max_seq_len"
             elif data["batch_tokens"] is not None:  # the demo's batch_tokens: pp runs fixed shapes
                 refused = "data.batch_tokens"
@@ -317,8 +315,8 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
                 refused = "data.micro_batch_size"
             elif data["max_seq_len"] % sp:  # rows split by sequence over tp
                 refused = "data.max_seq_len"
-        elif dp_shard > 1 or sizes["cp"] > 1 or sizes["ep"] > 1:  # evaluation: stages x tp, replicas, no sharding
-            refused = "parallel.pp"
+        elif sizes["ep"] > 1:  # evaluation: stages x tp (x dp_shard / cp sharding), not ep
+            refused = "parallel.ep"
     # the stage's own check comes first, unless the node's own launcher's world does not fit it (the
     # model's shape is checked after both)
     if refused and (world_fits or not own_launcher):
