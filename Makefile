@@ -33,6 +33,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test,bench]"
+	@# Hugging Face's `kernels` distribution imports as `kernels`, posttrain's own package name:
+	@# transformers finds its metadata, imports ours and fails. Nothing here needs it.
+	$(PY) -m pip uninstall -y -q kernels 2>/dev/null || true
 	touch $@
 
 demo: setup
