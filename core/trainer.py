@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from core.optim import OptimConfig, lr_lambda, param_groups  # noqa: F401 (param_groups: re-exported)
 from core.optimizers import build_optimizer
 from core.parallel.grad_norm import clip_grad_norm_ as clip_across_meshes
+from core.precision import LossScaler
 from core.reliability import all_reduce
 
 
@@ -69,6 +70,7 @@ class Trainer:
         aux_group: dist.ProcessGroup | None = None,
         aux_scale: float = 1.0,
         pp_group: dist.ProcessGroup | None = None,
+        loss_scaler: LossScaler | None = None,
     ):
         """model: already parallelized (core.parallel.parallelize) and on its device.
         dp_group: the data-parallel group over which token counts are summed: the ranks that see
@@ -85,7 +87,10 @@ class Trainer:
         pp_group: under pipeline parallelism (model = this rank's stages, core.parallel.pipeline.
         keep_own_stages) the objective runs the schedule's forward and backward itself
         (core.pipeline_objectives.pipelined_sft: LossOutput.backward_done, the MoE aux loss attached inside)
-        and the gradient norm is summed over the stages."""
+        and the gradient norm is summed over the stages.
+        loss_scaler: fp16's dynamic loss scale (core.precision.LossScaler): each loss is scaled
+        before backward, the gradients unscaled with the token normalization, and a step whose
+        gradients overflowed is skipped with `overflow=1` while the scale backs off."""
         self.model = model
         self.cfg = optim
         self.total_steps = total_steps
@@ -110,6 +115,7 @@ class Trainer:
         self.stats_group = stats_group if stats_group is not None else dp_group
         self.aux_group, self.aux_scale = aux_group, aux_scale
         self.pp_group = pp_group
+        self.scaler = loss_scaler
         self.step = 0
         self.skipped_steps = 0
         self._reset_accum()
@@ -137,7 +143,10 @@ class Trainer:
             if aux is not None:  # MoE balancing: a per-token mean, so weight it by the tokens
                 loss = loss + aux * out.num_tokens
         if not out.backward_done:
-            loss.backward()
+            (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+        elif self.scaler is not None:
+            raise ValueError("a loss scale (fp16) cannot reach a backward the objective runs itself (pipeline "
+                             "parallelism); use bf16")
         n = torch.as_tensor(out.num_tokens, dtype=torch.float64, device=self.device)
         self._tokens += n
         if self.adapters:
@@ -166,6 +175,8 @@ class Trainer:
             all_reduce(totals, group=self.dp_group, name="trainer/tokens_loss")
         tokens, loss_sum, *per_adapter = totals.tolist()
         dp = self.dp_size if self.grads_are_averaged else 1.0
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        dp /= scale  # the gradients of a scaled loss, unscaled with the normalization
         max_norm = self.cfg.max_grad_norm or float("inf")
         if not self.adapters:
             for p in self.params:
@@ -182,6 +193,10 @@ class Trainer:
             metrics["moe/aux_loss"] = float(aux) / self.aux_scale
         metrics.update(loss=loss_sum / max(tokens, 1.0), grad_norm=grad_norm, tokens=tokens,
                        lr=self.scheduler.get_last_lr()[0], **adapter_metrics)
+        if self.scaler is not None:  # a non-finite loss is the model's, not the scale's: no update
+            metrics["loss_scale"] = scale
+            if math.isfinite(metrics["loss"]) and self.scaler.update(math.isfinite(grad_norm)):
+                metrics["overflow"] = 1.0  # a routine fp16 skip: the scale backed off
         bad = not math.isfinite(grad_norm) or not math.isfinite(metrics["loss"])
         if bad or (skip_if is not None and skip_if(metrics)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -238,11 +253,16 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """The trainer's own counters (model/optimizer state is saved by core.checkpoint)."""
-        return {"step": self.step, "skipped_steps": self.skipped_steps}
+        state = {"step": self.step, "skipped_steps": self.skipped_steps}
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.scaler is not None and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
 
     def save_state(self, manager, extra: dict[str, Any] | None = None, force: bool = True):
         """Write a checkpoint of model, optimizer, schedule, trainer counters and `extra`

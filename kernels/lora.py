@@ -335,6 +335,14 @@ def _lean_torch_path(weight: Tensor, bias: Tensor | None, *tensors: Tensor) -> b
             and not torch.is_autocast_enabled(x.device.type))
 
 
+def _as_activations(x: Tensor, lora_a: Tensor, lora_b: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 master adapters (mixed precision) on a 16-bit base, outside autocast (validation,
+    sampling): the low-rank path runs in the activations' dtype (a differentiable cast)."""
+    if lora_a.dtype != x.dtype and x.is_floating_point() and not torch.is_autocast_enabled(x.device.type):
+        return lora_a.to(x.dtype), lora_b.to(x.dtype)
+    return lora_a, lora_b
+
+
 def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
                 scale: float, dropout: float = 0.0) -> Tensor:
     """x W^T + b + scale * (drop(x) A^T) B^T. x (..., in), weight (out, in) frozen, bias (out,)
@@ -342,6 +350,7 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
     the low-rank path's input (peft's lora_dropout; pass 0 in eval). Gradients flow to x, lora_a
     and lora_b."""
     _check(x, weight, bias, lora_a, lora_b, 2)
+    lora_a, lora_b = _as_activations(x, lora_a, lora_b)
     if dropout > 0 or not _use_kernel(x, weight, bias, lora_a, lora_b):
         if _lean_torch_path(weight, bias, x, lora_a, lora_b):
             return LoRALinearTorchFunction.apply(x, weight, bias, lora_a, lora_b, float(scale), float(dropout))
@@ -358,6 +367,7 @@ def swiglu_lora_linear(gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | 
     if gate.shape != up.shape:
         raise ValueError(f"swiglu_lora_linear: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     _check(gate, weight, bias, lora_a, lora_b, 2)
+    lora_a, lora_b = _as_activations(gate, lora_a, lora_b)
     kernel = dropout == 0 and use_triton(gate, up, weight, lora_a, lora_b)
     if not kernel and _lean_torch_path(weight, bias, gate, up, lora_a, lora_b):
         return SwiGLULoRALinearTorchFunction.apply(gate, up, weight, bias, lora_a, lora_b, float(scale),

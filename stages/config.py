@@ -27,6 +27,7 @@ from core.lora.config import LoRAConfig
 from core.model.config import ModelConfig
 from core.optim import OptimConfig
 from core.parallel.config import ParallelConfig
+from core.precision import PrecisionConfig, check_precision
 from core.preference_types import (F_DIVERGENCE_LOSSES, REFERENCE_FREE_LOSSES, SMOOTHED_LOSSES, SORTING_LOSSES)
 from core.reliability.config import ReliabilityConfig
 from core.tracking import TrackingConfig
@@ -121,6 +122,9 @@ class TrainStageConfig(StageConfig):
     lora: LoRAConfig = Field(LoRAConfig(), description="Adapters; disabled = full fine-tuning.")
     parallel: ParallelConfig = Field(ParallelConfig(), description="Mesh and parallelism.")
     optim: OptimConfig = Field(OptimConfig(), description="Optimizer and LR schedule.")
+    precision: PrecisionConfig = Field(
+        PrecisionConfig(), description="'full' (model.dtype throughout), or mixed: 'bf16', 'fp16' (loss-scaled), "
+        "'fp8' (torchao float8 linears), each with float32 master weights (core/precision.py).")
     data: DataConfig = Field(DataConfig(), description="Training data.")
     checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="Checkpoints and resume.")
     reliability: ReliabilityConfig = Field(ReliabilityConfig(), description="Bad steps, hangs, preemption.")
@@ -140,6 +144,8 @@ class TrainStageConfig(StageConfig):
             raise ValueError("save='adapter' needs lora.enabled=true")
         if self.launcher is not None:
             check_layout(self.parallel, self.launcher)
+        check_precision(self.precision, lora=self.lora.enabled, tp=self.parallel.tp, pp=self.parallel.pp,
+                        fsdp_param_dtype=self.parallel.mixed_precision_param)
         self.check_stage_layout()
         return self
 

@@ -38,6 +38,8 @@ from core.parallel import ParallelDims, ParallelMesh, parallelize
 from core.parallel.config import ParallelConfig
 from core.parallel.mesh import TorchrunEnv
 from core.parallel.data_parallel import apply_activation_checkpointing, apply_compile
+from core.precision import (LossScaler, autocast_dtype, check_fp8_device, convert_fp8, fsdp_dtypes,
+                            upcast_trainable)
 from core.reliability import Reliability
 from core.trainer import Objective, Trainer
 from stages.common import (Dist, StageError, close_distributed, load_model, load_on_meta, load_quantized,
@@ -115,6 +117,10 @@ def open_session(name: str, cfg: TrainStageConfig) -> Session:
 
     set_mode(cfg.model.kernels)
     d = start_layout(cfg)
+    try:
+        check_fp8_device(cfg.precision, d.device)
+    except RuntimeError as e:
+        raise StageError(str(e)) from None
     torch.manual_seed(cfg.seed)
     meta = load_on_meta(cfg.lora)  # built on meta, each rank then loads only its shards
     streamed = streams_quantized(cfg.model, cfg.lora)  # QLoRA: each weight quantized as it is read
@@ -127,6 +133,7 @@ def open_session(name: str, cfg: TrainStageConfig) -> Session:
         raise StageError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab is {model.args.vocab_size}")
     if cfg.lora.enabled and not streamed:
         apply_lora(model, cfg.lora)
+    apply_precision(model, cfg)
     d.mesh = parallelize_policy(model, cfg, d)
     if meta:
         materialize_model(model, cfg.model, d.device, cfg.seed)
@@ -150,6 +157,29 @@ def generator_model(cfg_json: str, kind: str) -> Transformer:
     if cfg.lora.enabled:
         apply_lora(model, cfg.lora)
     return model
+
+
+def apply_precision(model: Transformer, cfg: TrainStageConfig) -> None:
+    """The policy's side of cfg.precision (core/precision.py), before parallelizing: in a mixed
+    mode the trainable parameters become float32 master weights; fp8 swaps the eligible linear
+    layers for torchao's Float8Linear."""
+    if not cfg.precision.mixed:
+        return
+    upcast_trainable(model)
+    if cfg.precision.mode == "fp8":
+        try:
+            n = convert_fp8(model, cfg.precision)
+        except ImportError as e:
+            raise StageError(str(e)) from None
+        log.info("precision fp8: %d linear layers train in float8%s", n,
+                 " (emulated)" if cfg.precision.fp8_emulate else "")
+
+
+def policy_layout(cfg: TrainStageConfig) -> ParallelConfig:
+    """cfg.parallel with FSDP's mixed precision from cfg.precision (core.precision.fsdp_dtypes)."""
+    p = cfg.parallel
+    param, reduce = fsdp_dtypes(cfg.precision, p.mixed_precision_param, p.mixed_precision_reduce)
+    return p.model_copy(update={"mixed_precision_param": param, "mixed_precision_reduce": reduce})
 
 
 def policy_tokenizer(cfg: TrainStageConfig):
@@ -186,7 +216,7 @@ def start_layout(cfg: TrainStageConfig) -> Dist:
 def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> ParallelMesh | None:
     """Apply cfg.parallel to the policy in place (core.parallel.parallelize); the mesh, or None
     on one process (no mesh: only parallelize's model-local steps)."""
-    p = cfg.parallel
+    p = policy_layout(cfg)
     try:
         dims = ParallelDims.from_config(p, d.world, model.args)
     except ValueError as e:
@@ -224,7 +254,7 @@ def parallelize_stages(model: Transformer, cfg: TrainStageConfig, mesh: Parallel
     from core.parallel import parallelize_pipeline
     from core.parallel.pipeline import keep_own_stages
 
-    p = cfg.parallel
+    p = policy_layout(cfg)
     microbatches = p.pp_microbatches or p.pp
     tp = mesh.group("tp") if mesh.dims.tp > 1 else None
     loss_fn = PipelineLoss(pipeline_token_loss(tp), tp)  # SFT's; DPO swaps in its own per step
@@ -292,17 +322,18 @@ def parallelize_frozen(model: Transformer, layout: ParallelConfig, d: Dist, comp
 def build_trainer(s: Session, total_steps: int) -> Trainer:
     """The Trainer for the policy's layout (the optimizer is made here, after parallelizing)."""
     cfg, d = s.cfg, s.dist
-    autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and d.device.type == "cuda" else None
-    adapters = dict(adapters=trained_adapters(cfg), adapter_lr=cfg.lora.adapter_lr)  # stages/adapters.py
+    autocast = autocast_dtype(cfg.precision, cfg.model.dtype, d.device)  # core/precision.py
+    common = dict(adapters=trained_adapters(cfg), adapter_lr=cfg.lora.adapter_lr,  # stages/adapters.py
+                  loss_scaler=LossScaler.from_config(cfg.precision))
     if d.mesh is None:
-        return Trainer(s.model, cfg.optim, total_steps, autocast_dtype=autocast, **adapters)
+        return Trainer(s.model, cfg.optim, total_steps, autocast_dtype=autocast, **common)
     # Tokens are distinct across dp x cp ranks (tp ranks share them), and FSDP / DDP average
     # the gradients over exactly those ranks; MoE layers route a share of the tokens on each tp rank.
     dims = d.mesh.dims
     shares = dict(aux_group=d.mesh.group("cp_tp"), aux_scale=float(dims.cp)) if dims.tp * dims.cp > 1 else {}
     pp = dict(pp_group=d.mesh.group("pp")) if dims.pp > 1 else {}  # the objective runs the schedule
     return Trainer(s.model, cfg.optim, total_steps, autocast_dtype=autocast, dp_group=d.mesh.group("dp_cp"),
-                   grads_are_averaged=dims.fsdp or dims.ddp, stats_group=d.mesh.group("dp_cp_tp"), **adapters,
+                   grads_are_averaged=dims.fsdp or dims.ddp, stats_group=d.mesh.group("dp_cp_tp"), **common,
                    **shares, **pp)
 
 

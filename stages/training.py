@@ -32,7 +32,7 @@ from core.manifest import CHECKPOINTS
 from core.model import Transformer
 from core.parallel import full_state_dict
 from stages.adapters import export_adapters, trained_adapters
-from stages.common import Dist
+from stages.common import DTYPES, Dist
 
 log = logging.getLogger("posttrain.training")
 
@@ -216,7 +216,9 @@ def export(model, tok, cfg: TrainStageConfig, out: Path, d: Dist) -> dict[str, s
         name = cfg.lora.adapter_names[0]
         if cfg.save == "full" or cfg.export_merged:
             state = merged_state_dict(model, name) if lora else None
-            save_pretrained(model, out / "model", state=state)
+            # mixed precision trained float32 master weights: the checkpoint keeps model.dtype
+            dtype = DTYPES[cfg.model.dtype] if cfg.precision.mixed else None
+            save_pretrained(model, out / "model", dtype=dtype, state=state)
             tok.save_pretrained(out / "model")
             outputs["model"] = "model"
         if lora:

@@ -32,7 +32,7 @@ class Reliability:
         self.preemption, self.watchdog = preemption, watchdog
         self.bad_steps = 0  # skipped steps in a row
         self.rollbacks = 0  # in this process
-        self.counts = {"skipped_nonfinite": 0, "skipped_spike": 0, "rollback": 0}
+        self.counts = {"skipped_nonfinite": 0, "skipped_spike": 0, "skipped_overflow": 0, "rollback": 0}
         self._spike_z: float | None = None
 
     @classmethod
@@ -82,6 +82,11 @@ class Reliability:
             if self.spike is not None:
                 self.spike.accept(metrics["loss"])
             return {}
+        if metrics.get("overflow"):  # fp16: the loss scale backed off (core.precision.LossScaler); not a bad step
+            self.counts["skipped_overflow"] += 1
+            log.info("step %d skipped: fp16 gradients overflowed; loss scale now %.4g", step,
+                     metrics.get("loss_scale", float("nan")) / 2)
+            return {"events/skipped_overflow": float(self.counts["skipped_overflow"])}
         kind = "skipped_spike" if z is not None else "skipped_nonfinite"
         self.counts[kind] += 1
         self.bad_steps += 1
