@@ -28,6 +28,7 @@ from core.model.config import ModelConfig
 from core.optim import OptimConfig
 from core.parallel.config import ParallelConfig
 from core.precision import PrecisionConfig, check_precision
+from core.qat import QATConfig, check_qat
 from core.preference_types import (F_DIVERGENCE_LOSSES, REFERENCE_FREE_LOSSES, SMOOTHED_LOSSES, SORTING_LOSSES)
 from core.reliability.config import ReliabilityConfig
 from core.tracking import TrackingConfig
@@ -125,6 +126,9 @@ class TrainStageConfig(StageConfig):
     precision: PrecisionConfig = Field(
         PrecisionConfig(), description="'full' (model.dtype throughout), or mixed: 'bf16', 'fp16' (loss-scaled), "
         "'fp8' (torchao float8 linears), each with float32 master weights (core/precision.py).")
+    qat: QATConfig = Field(
+        QATConfig(), description="Quantization-aware training: fake-quantized int4/int8 weights (and int8 inputs) "
+        "while training, the quantized model exported beside the float one (core/qat.py).")
     data: DataConfig = Field(DataConfig(), description="Training data.")
     checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="Checkpoints and resume.")
     reliability: ReliabilityConfig = Field(ReliabilityConfig(), description="Bad steps, hangs, preemption.")
@@ -146,6 +150,10 @@ class TrainStageConfig(StageConfig):
             check_layout(self.parallel, self.launcher)
         check_precision(self.precision, lora=self.lora.enabled, tp=self.parallel.tp, pp=self.parallel.pp,
                         fsdp_param_dtype=self.parallel.mixed_precision_param)
+        lora = self.lora
+        check_qat(self.qat, precision=self.precision.mode, multi_adapter=lora.enabled and lora.multi,
+                  dora=lora.enabled and lora.use_dora, quantize_base=lora.enabled and bool(lora.quantize_base),
+                  tp=self.parallel.tp)
         self.check_stage_layout()
         return self
 

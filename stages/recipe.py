@@ -38,6 +38,7 @@ from core.parallel import ParallelDims, ParallelMesh, parallelize
 from core.parallel.config import ParallelConfig
 from core.parallel.mesh import TorchrunEnv
 from core.parallel.data_parallel import apply_activation_checkpointing, apply_compile
+from core.qat import prepare_qat
 from core.precision import (LossScaler, autocast_dtype, check_fp8_device, convert_fp8, fsdp_dtypes,
                             upcast_trainable)
 from core.reliability import Reliability
@@ -134,6 +135,13 @@ def open_session(name: str, cfg: TrainStageConfig) -> Session:
     if cfg.lora.enabled and not streamed:
         apply_lora(model, cfg.lora)
     apply_precision(model, cfg)
+    if cfg.qat.enabled:
+        try:
+            n = prepare_qat(model, cfg.qat)
+        except (ImportError, ValueError) as e:
+            raise StageError(str(e)) from None
+        log.info("qat: %d linear layers train against %s weights%s", n, cfg.qat.weights,
+                 f" and {cfg.qat.activations} inputs" if cfg.qat.activations != "none" else "")
     d.mesh = parallelize_policy(model, cfg, d)
     if meta:
         materialize_model(model, cfg.model, d.device, cfg.seed)

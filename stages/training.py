@@ -224,6 +224,13 @@ def export(model, tok, cfg: TrainStageConfig, out: Path, d: Dist) -> dict[str, s
         if lora:
             save_adapter(model, out / "adapter", name=name, base_model=cfg.model.name_or_path)
             outputs["adapter"] = "adapter"
+        if cfg.qat.enabled:  # the converted model: codes + scales, and their float image (registry/quantized.py)
+            from registry.quantized import save_quantized
+
+            save_quantized(model, out / "quantized", cfg.qat, state=merged_state_dict(model, name) if lora else None,
+                           dtype=DTYPES[cfg.model.dtype])
+            tok.save_pretrained(out / "quantized")
+            outputs["quantized"] = "quantized"
     if d.is_main:
         tok.save_pretrained(out / "tokenizer")
         outputs["tokenizer"] = "tokenizer"

@@ -73,6 +73,10 @@ class LoRALinear(nn.Module):
         # Local adapter index per example (B,) or per token (B, T); len(adapters) = none. See route_adapters.
         self.routing: torch.Tensor | None = None
         self.base_rewritten = False  # PiSSA moved part of W into an adapter
+        # Quantization-aware training (core.qat.prepare_qat): fake quantizers of the merged
+        # weight and of the input; stateless modules, so the state dict is unchanged.
+        self.qat_weight: nn.Module | None = None
+        self.qat_input: nn.Module | None = None
 
     @property
     def quantized(self) -> bool:
@@ -164,7 +168,7 @@ class LoRALinear(nn.Module):
         produces x."""
         name = self.active_adapter
         if (name is None or self.disabled or self.merged or self.routing is not None or self.quantized
-                or name in self.lora_magnitude):
+                or name in self.lora_magnitude or self.qat_weight is not None):
             return None
         dropout = self.configs[name]["dropout"] if self.training else 0.0
         return self.weight, self.bias, self.lora_A[name], self.lora_B[name], self.scaling[name], dropout
@@ -182,6 +186,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, adapter_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x: (..., in). adapter_ids: indices into `self.adapters`, one per example (B,) or per
         token (x.shape[:-1]); len(adapters) (or any index outside them) means no adapter."""
+        if self.qat_weight is not None:
+            return self._qat_forward(x)
         plain = self.plain_lora() if adapter_ids is None else None
         if plain is not None:
             # The common case: base and low-rank path in one fused op (Triton on GPUs).
@@ -206,6 +212,17 @@ class LoRALinear(nn.Module):
             return base + lora
         mag = self.lora_magnitude[name] / self._weight_norm(name)
         return self._dora_out(base, x, xd, mag, lora)
+
+    def _qat_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantization-aware training: fq_in(x) fq_w(W + s B A)^T + b, the merged weight being
+        what export quantizes; the straight-through gradient reaches A and B. No LoRA dropout
+        (the merged weight is one weight)."""
+        if self.qat_input is not None:
+            x = self.qat_input(x)
+        w, name = self.weight, self.active_adapter
+        if not self.disabled and name is not None and name not in self.merged:
+            w = w + self.scaling[name] * (self.lora_B[name] @ self.lora_A[name]).to(w.dtype)
+        return F.linear(x, self.qat_weight(w), self.bias)
 
     def _routed_forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Token t uses adapter ids[t] (ids: x.shape[:-1], from token_ids)."""
