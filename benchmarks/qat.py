@@ -103,13 +103,16 @@ def main(argv: list[str] | None = None) -> int:
 
         names = dict(zip(models, model_names(ev.models)))
         em = {k: round(manifest["results"][names[k]]["exact_match"], 4) for k in models}
-        held_out = json.loads((root / "data" / "manifest.json").read_text())["metrics"]["rows/sft_validation"]
+        from stages.evaluation.plan import load_eval_data
+
+        held_out = len(load_eval_data(ev).prompts)  # the prompts exact match is taken over
 
     def share(float_, ptq_):
         drop = em[float_] - em[ptq_]
         return round((em["c"] - em[ptq_]) / drop, 3) if drop > 0 else None
 
-    doc.update(exact_match=em, held_out=held_out, stage_seconds={k: round(v, 1) for k, v in seconds.items()},
+    doc.update(exact_match=em, held_out=held_out, correct={k: round(v * held_out) for k, v in em.items()},
+               stage_seconds={k: round(v, 1) for k, v in seconds.items()},
                recovered_vs_equal_training=share("a_more", "b_more"), recovered_vs_a=share("a", "b"))
     return emit(doc, args.out)
 

@@ -247,40 +247,20 @@ def test_an_adapter_is_registered_merged_into_its_base(reg, tracking):
 
 
 @pytest.mark.slow
-def test_serve_model_answers_with_the_registered_champion(reg, tmp_path):
+def test_serve_model_answers_with_the_registered_champion(reg, tmp_path, monkeypatch):
     """Issue 17's starting point: `posttrain serve-model models:/tiny@champion` fetches the version the
     alias names from the registry and answers the official `openai` client (chat and plain
     completions) with exactly the text of the project's greedy generate on the registered files."""
-    import os
     import signal
-    import socket
-    import subprocess
-    import sys
-    import time
 
-    import httpx
+    from test_serving import start_serve_model
 
     openai = pytest.importorskip("openai")
     assert reg.client.get_model_version_by_alias("tiny", "champion").version == reg.mv.version
-    root = Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    env.pop("POSTTRAIN_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", "models:/tiny@champion",
-                             "--tracking-uri", reg.uri, "--registry-cache", str(tmp_path / "cache"),
-                             "--port", str(port)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    monkeypatch.delenv("POSTTRAIN_API_KEY", raising=False)
+    proc, port = start_serve_model(["models:/tiny@champion", "--tracking-uri", reg.uri, "--registry-cache",
+                                    str(tmp_path / "cache")], tmp_path)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         [served] = [m.id for m in client.models.list().data]
         chat = [client.chat.completions.create(model=served, messages=[{"role": "user", "content": p}],

@@ -409,34 +409,41 @@ def test_cli_parses_serve_model_and_binds_localhost():
         parse_adapters("oops")
 
 
-@pytest.mark.slow
-def test_the_cli_serves_a_model_until_sigterm(adapter_dirs, tmp_path):
-    """`posttrain serve-model debug --adapters ...` as a user starts it: it answers the `openai`
-    client for the base and an adapter, refuses a missing key, and stops cleanly on SIGTERM."""
+def start_serve_model(argv: list[str], cwd, env: dict | None = None, timeout: float = 120):
+    """`posttrain serve-model ARGV --port P` started as a user starts it, on a free loopback
+    port: (the process, P) once /health answers; the process's output if it died first."""
     import os
-    import signal
     import subprocess
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", *argv, "--port", str(port)], cwd=cwd,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    return proc, port
+
+
+@pytest.mark.slow
+def test_the_cli_serves_a_model_until_sigterm(adapter_dirs, tmp_path):
+    """`posttrain serve-model debug --adapters ...` as a user starts it: it answers the `openai`
+    client for the base and an adapter, refuses a missing key, and stops cleanly on SIGTERM."""
+    import signal
+
     adapters = ",".join(f"{name}={path}" for name, path in adapter_dirs.items())
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", "debug", "--port", str(port),
-                             "--adapters", adapters], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc, port = start_serve_model(["debug", "--adapters", adapters], tmp_path, {"POSTTRAIN_API_KEY": KEY})
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY)
         assert {m.id for m in client.models.list().data} == {"debug", "a", "b"}
         for model in ("debug", "a"):
