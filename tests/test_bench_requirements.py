@@ -70,3 +70,10 @@ def test_blocker_really_blocks(tmp_path):
     pytest.importorskip("peft")
     proc = _run(tmp_path, ["peft"], ["-c", "import peft"])
     assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr
+
+
+def test_bench_dpo_names_missing_trl(tmp_path):
+    proc = _run(tmp_path, ["trl"], ["-m", "benchmarks.dpo", "--quick"])
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "not installed: trl" in proc.stderr, proc.stderr
+    assert "pip install 'posttrain[bench]'" in proc.stderr, proc.stderr
