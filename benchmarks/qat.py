@@ -13,9 +13,11 @@ synthetic suite (copy, reverse, sort, max; 2000 examples):
   b'  post-training quantization of a'
   c   a trained --qat-steps with `qat:` (same lr and data as a'), its exported `quantized/` model
 
-then the evaluate stage scores each on the held-out split (greedy exact match against the answer).
-`recovered` = (c - b') / (a' - b'): the share of the float-to-PTQ drop QAT wins back at equal
-training (and the same against a and b). A negative share means QAT did worse than PTQ.
+then the evaluate stage scores each on the held-out split: greedy exact match against the answer,
+and the token-weighted NLL of the reference completions (a finer measure: exact match moves by
+whole prompts). `recovered` = (c - b') / (a' - b'): the share of the float-to-PTQ drop QAT wins
+back at equal training (and the same against a and b), for exact match and for NLL; None when
+PTQ did not hurt. A negative share means QAT did worse than PTQ.
 """
 
 from __future__ import annotations
@@ -96,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
         models = {"a": root / "a", "b": root / "b", "a_more": root / "a_more", "b_more": root / "b_more",
                   "c": root / "c" / "quantized"}
         ev = EvalConfig(output_dir=str(root / "eval"), models=[str(m) for m in models.values()], tracking=off,
-                        data={"sources": [str(root / "data")]}, metrics=["exact_match"], max_new_tokens=16)
+                        data={"sources": [str(root / "data")]}, metrics=["exact_match", "perplexity"],
+                        max_new_tokens=16)
         stage("evaluate", ev, root, env)
         manifest = json.loads((root / "eval" / "manifest.json").read_text())
         from stages.evaluation.plan import model_names
 
         names = dict(zip(models, model_names(ev.models)))
         em = {k: round(manifest["results"][names[k]]["exact_match"], 4) for k in models}
+        nll = {k: round(manifest["results"][names[k]]["nll"], 5) for k in models}
         from stages.evaluation.plan import load_eval_data
 
         held_out = len(load_eval_data(ev).prompts)  # the prompts exact match is taken over
@@ -111,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         drop = em[float_] - em[ptq_]
         return round((em["c"] - em[ptq_]) / drop, 3) if drop > 0 else None
 
+    def nll_share(float_, ptq_):  # lower is better
+        rise = nll[ptq_] - nll[float_]
+        return round((nll[ptq_] - nll["c"]) / rise, 3) if rise > 0 else None
+
+    doc.update(nll=nll, nll_recovered_vs_equal_training=nll_share("a_more", "b_more"),
+               nll_recovered_vs_a=nll_share("a", "b"))
     doc.update(exact_match=em, held_out=held_out, correct={k: round(v * held_out) for k, v in em.items()},
                stage_seconds={k: round(v, 1) for k, v in seconds.items()},
                recovered_vs_equal_training=share("a_more", "b_more"), recovered_vs_a=share("a", "b"))
