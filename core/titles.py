@@ -47,6 +47,9 @@ SPELLED_OUT = {
     "f_divergence_type": "f-divergence (f_divergence_type)",
     "f_alpha_divergence_coef": "f-divergence alpha (f_alpha_divergence_coef)",
     "discopop_tau": "DiscoPOP tau",
+    "qat": "Quantization-aware training (qat)",
+    "precision": "Precision (mixed: bf16, fp16, fp8)",
+    "fp8_emulate": "Emulate fp8 (testing)",
 }
 _UNITS = {"s": "(s)", "ms": "(ms)", "mb": "(MB)", "gb": "(GB)"}
 
