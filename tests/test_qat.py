@@ -152,3 +152,34 @@ def test_the_sft_stage_trains_with_qat_and_exports_the_quantized_model(root, lor
         assert torch.equal(dequantize_weight(q_codes, codes[f"{stem}.scales"]), image_hf[f"{stem}.weight"]), stem
     untouched = [k for k in image if k not in quantized_layers(float_model, q)]
     assert untouched and all(torch.equal(image[k], float_model.state_dict()[k]) for k in untouched)
+
+
+@pytest.mark.slow
+def test_qat_under_fsdp_matches_one_process(root):
+    """QAT with the weights sharded by FSDP (each layer's weight gathered for its forward, then
+    fake-quantized whole) against the one-process QAT run. Step 1 (the same weights) agrees to
+    1e-6 / 1e-5; after it the weights differ by FSDP's reduction order (~1e-7), and a weight that
+    ends up on the other side of an int4 rounding boundary moves its fake-quantized value by a
+    whole step: measured 2e-4 on the loss and 7e-3 on the gradient norm by step 3, so later steps
+    are held to 1e-3 and 2e-2. The exported codes agree on more than 99% of the weights."""
+    import math
+
+    from safetensors.torch import load_file
+
+    from test_stage_parallel import torchrun_stage
+
+    qat = {"weights": "int4", "group_size": 16}
+    one = steps_of(in_process(sft_config(root, "qat-one", optim=optim(2), qat=qat)))
+    fsdp = steps_of(torchrun_stage(sft_config(root, "qat-fsdp", optim=optim(1), qat=qat, parallel={"dp_shard": 2}),
+                                   root / ".work-qat-fsdp", 2))
+    assert sorted(one) == sorted(fsdp) == list(range(1, STEPS + 1))
+    for s in one:
+        assert one[s]["tokens"] == fsdp[s]["tokens"]
+        assert math.isclose(one[s]["loss"], fsdp[s]["loss"], rel_tol=1e-3 if s > 1 else 1e-6), s
+        assert math.isclose(one[s]["grad_norm"], fsdp[s]["grad_norm"], rel_tol=2e-2 if s > 1 else 1e-5), s
+    a = load_file(root / "qat-one" / "quantized" / "quantized.safetensors")
+    b = load_file(root / "qat-fsdp" / "quantized" / "quantized.safetensors")
+    assert a.keys() == b.keys()
+    codes = [k for k in a if k.endswith(".qweight")]
+    same = sum(int((a[k] == b[k]).sum()) for k in codes) / sum(a[k].numel() for k in codes)
+    assert same > 0.99, same
