@@ -1,0 +1,508 @@
+"""LoRA online distillation throughput and memory: posttrain's distillation step (a frozen teacher
+of the student's shape, forward KL) beside TRL's GKDTrainer (lmbda 0: no student samples) + peft,
+on the same weights, teacher, adapter, optimizer and documents, in one run; and how close the
+distillation step comes to its floor, an SFT step on the same tokens.
+
+    python -m benchmarks.distill [--quick] [--steps N] [--reps R] [--out file.json]
+
+Needs transformers, peft, trl and datasets for the TRL side (pip install 'posttrain[bench]'); it
+says so and exits with status 2, before any work, when one is missing.
+
+Models: benchmarks.sft's Llama shapes (full: hidden 512, 8 layers, vocab 8192; --quick: hidden 64,
+2 layers, vocab 512), fp32 on CPU, random weights from core.model saved as HF checkpoints
+(registry.hf.save_pretrained): the student with seed 0, the teacher, same shape, with seed 1. The
+student's LoRA (rank 16, alpha 32, dropout 0, every linear layer but the head; B = 0) is written in
+PEFT format by registry.adapters.save_adapter (benchmarks.sft.export) and loaded by both sides.
+AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8, no weight decay, constant schedule, no clipping (the
+norm is still computed). Teacher frozen, in eval mode, run under no_grad on both sides.
+
+The divergence. TRL 1.16 GKDTrainer.compute_loss calls generalized_jsd_loss(student, teacher,
+labels, beta=args.beta, num_items_in_batch) WITHOUT passing a temperature: the loss is at
+temperature 1 whatever GKDConfig.temperature (that one is the sampling temperature of on-policy
+generations only). beta = 0 is special-cased as F.kl_div(log p_S, log p_T, log_target=True), i.e.
+sum_v p_T (log p_T - log p_S) = KL(teacher || student), the forward KL (beta = 1 is the reverse
+KL). It is summed over the vocabulary and over the positions whose shifted label is not -100 (the
+positions predicting a completion token: DataCollatorForChatML labels -100 on the prompt, the
+tokens of the chat template rendered without the final assistant message, and on left padding).
+Normalization: the transformers Trainer counts the step's target tokens over all its
+micro-batches (labels[..., 1:] != -100) and hands that count to compute_loss as
+num_items_in_batch whenever the model's forward accepts loss kwargs (Llama's does; checked), and
+then GKD returns sum / num_items_in_batch, not its 'batchmean' (which it uses only when no count is
+given), and the Trainer does not divide again by the accumulation steps. So TRL's loss is the mean
+over the step's completion tokens of the per-token forward KL. posttrain: stages.distill builds
+core.objectives.distill_objective(teacher, divergence, temperature, jsd_beta, ce_weight) with
+DistillConfig's defaults forward_kl, T = 1 (loss x T^2 = 1), ce_weight 0: the per-token forward KL
+on the positions predicting a target token (response_mask), summed per micro-batch, and
+core.trainer.Trainer.optim_step divides by the step's target tokens: the same token mean, so no
+batch shaping is needed and ragged lognormal lengths are kept.
+
+Data (fixed seed): `docs_per_micro` x `micro_per_step` SFT documents a step; prompt and completion
+lengths each ~ lognormal(sigma 1) of mean `prompt_mean` / `completion_mean`, clipped; random ids in
+[1, vocab), each completion ending with the EOS id 0; the completion tokens are the KD targets.
+Each step takes the same documents, in the same micro-batches, on both sides; the warmup's first
+step repeats the first timed step's documents (for the second-step check, `steps_of`).
+
+  ours      registry.hf.load_pretrained (student, + registry.adapters.load_adapter; teacher,
+            requires_grad off, eval) and core.trainer.Trainer; per micro-batch Trainer.
+            forward_backward(collate_padding_free(docs), distill_objective(teacher, "forward_kl",
+            1.0, 0.5, 0.0)) -- the online objective the distill stage builds, called directly (no
+            stage launch; the stage's timing hooks are left out): the micro-batch packed padding-
+            free in one row, a no-grad teacher forward to its last hidden states, the student
+            forward, and the KL chunked over the vocabulary head (no full logits); then optim_step.
+  trl       AutoModelForCausalLM.from_pretrained(attn_implementation="sdpa", fp32) for student and
+            teacher, handed to trl.experimental.gkd.GKDTrainer with peft_config=LoraConfig(r=16,
+            lora_alpha=32, target_modules="all-linear"), our adapter then loaded into its
+            PeftModel (set_peft_model_state_dict). GKDConfig: lmbda 0, seq_kd off, beta 0,
+            temperature 1, per_device_train_batch_size = docs_per_micro, gradient_accumulation_steps
+            = micro_per_step, gradient_checkpointing off, use_cpu, adamw_torch, constant lr,
+            max_grad_norm 0 (norm computed, no clip), sequential sampler, max_length = the model's
+            context (no truncation), logging every step. Its default collator,
+            DataCollatorForChatML, gets TRL's GKD data format, "messages" (user: the prompt,
+            assistant: the completion), rendered by a chat template that joins the contents with
+            spaces, over a word-level tokenizer whose token "t<i>" is id i ("<eos>" is 0). Before
+            training, every batch of the trainer's own train dataloader is checked to hold exactly
+            our ids and labels (prompt -100) in our micro-batches. Driven through GKDTrainer.train():
+            per-step times from a TrainerCallback, losses and gradient norms from its logs.
+  What differs, by design of each library: TRL left-pads each micro-batch to its longest document
+  (`padding_fraction`; RoPE positions then start after the padding, which leaves attention scores
+  unchanged) and materializes the full (rows, length, vocab) logits of student and teacher, their
+  log-softmaxes and the elementwise KL; posttrain packs padding-free and computes the KL chunk by
+  chunk from hidden states. Both run one teacher forward and one student forward + backward. With
+  lmbda 0 TRL still draws random.random() <= 0 each micro-batch (true with probability ~2^-53).
+  ours_sft  ours, but sft_objective (cross entropy on the completion tokens) on the same documents
+            and micro-batches, no teacher loaded: the floor of a distillation step.
+
+Measures
+  tokens_per_s   prompt + completion tokens (padding not counted) over the timed steps (after
+                 `warmup`) / their wall time; median over `reps`. ours and ours_sft: time around
+                 each step; trl: between consecutive on_step_end callbacks, i.e. all Trainer.train()
+                 does per step (batch fetch and collate, forward/backward, norm, optimizer step,
+                 logging); `step_compute_s` is on_step_begin..on_step_end.
+  speedup        median over reps of ours / trl tokens_per_s. Sides alternate order per rep.
+  peak_mem_mb    each side and rep in a fresh process forked from one forkserver that imported
+                 torch, transformers, peft, trl, datasets and posttrain and built nothing: ru_maxrss
+                 minus the process's RSS at its start; max over reps. memory_ratio = ours / trl.
+  sft_step_ratio posttrain's distillation step time / its SFT step time on the same tokens (median
+                 over reps); the teacher's forward costs about a third of a student forward +
+                 backward, so ideally <= 1.4.
+  loss_check     step 0 (adapter B = 0, student = its base): the two losses (the mean forward KL of
+                 two random models) within FIRST_LOSS_RTOL, the gradient norms within
+                 GRAD_NORM_RTOL; step 1, on step 0's documents after one AdamW update: the loss has
+                 dropped on both sides, by amounts within SECOND_LOSS_RTOL of each other, and the
+                 gradient norms agree within GRAD_NORM_RTOL.
+Tests never assert on the timing or memory figures; only on the document's structure and the
+loss check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import emit
+from benchmarks.dpo import _rel, _text, _tokenizer
+from benchmarks.sft import FULL as SFT_FULL
+from benchmarks.sft import LORA, QUICK as SFT_QUICK, _in_fresh_process, _maxrss_mb, _median, _rss_mb, missing_packages
+
+SEED = 0
+TEACHER_SEED = 1
+EOS = 0  # every completion ends with it; also the pad id
+OPTIM = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+# posttrain's side: DistillConfig's defaults (checked in `main`); TRL's: beta 0 = forward KL
+DIVERGENCE, TEMPERATURE, JSD_BETA, CE_WEIGHT = "forward_kl", 1.0, 0.5, 0.0
+TRL_BETA, TRL_LMBDA = 0.0, 0.0
+SIDES = ("ours", "trl", "ours_sft")
+# Step 0: the same KL in fp32 by different kernels (padded sdpa + full logits vs packed attention +
+# a chunked head) summed in different orders (--quick: ~1e-7).
+FIRST_LOSS_RTOL = 1e-5
+GRAD_NORM_RTOL = 1e-4
+# Step 1 on step 0's documents: the drop (loss0 - loss1) on both sides. Adam's first step is
+# sign(g) * lr, so an entry at rounding level may flip sign between the sides and move by a whole lr.
+SECOND_LOSS_RTOL = 1e-3
+TARGETS = {"sft_step_ratio": ("<=", 1.4)}
+REQUIRED = ("transformers", "peft", "trl", "datasets")
+INSTALL_HINT = "pip install 'posttrain[bench]'"
+PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "peft.tuners.lora",
+           "datasets", "accelerate", "trl", "trl.experimental.gkd", "safetensors.torch", "tokenizers",
+           "core.model.model", "core.lora", "core.trainer", "core.objectives", "core.data.packing",
+           "registry.hf", "registry.adapters"]
+# The GKD data format: the conversation's text, the contents joined by spaces (no role markers)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+FULL: dict[str, Any] = dict(
+    model=SFT_FULL["model"], prompt_mean=64, completion_mean=160, min_len=8, prompt_max=256, completion_max=768,
+    docs_per_micro=4, micro_per_step=4, warmup=1, steps=3, reps=3,
+)
+QUICK: dict[str, Any] = dict(
+    model=SFT_QUICK["model"], prompt_mean=12, completion_mean=28, min_len=4, prompt_max=48, completion_max=96,
+    docs_per_micro=2, micro_per_step=2, warmup=1, steps=2, reps=1,
+)
+
+Doc = tuple[list[int], list[int]]  # prompt, completion token ids
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def documents(cfg: dict[str, Any], n: int, seed: int = SEED) -> list[Doc]:
+    """n (prompt, completion) id lists, deterministic in seed; completions end with EOS."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def lengths(mean: float, hi: int) -> list[int]:
+        mu = math.log(mean) - 0.5  # sigma 1: the unclipped mean is `mean`
+        raw = torch.exp(mu + torch.randn(n, generator=gen, dtype=torch.float64))
+        return raw.round().clamp(cfg["min_len"], hi).long().tolist()
+
+    P = lengths(cfg["prompt_mean"], cfg["prompt_max"])
+    C = lengths(cfg["completion_mean"], cfg["completion_max"])
+    vocab = cfg["model"]["vocab_size"]
+
+    def ids(k: int) -> list[int]:
+        return torch.randint(1, vocab, (k,), generator=gen).tolist()
+
+    return [(ids(p), ids(c - 1) + [EOS]) for p, c in zip(P, C)]
+
+
+def steps_of(cfg: dict[str, Any]) -> list[list[list[Doc]]]:
+    """Steps -> micro-batches -> documents, the same on every side. Step 0 (warmup, untimed) repeats
+    step 1's documents, so step 1's loss is taken where the first update was computed: it drops by
+    about lr * |g|_1, far above fp32 rounding."""
+    m, k = cfg["docs_per_micro"], cfg["micro_per_step"]
+    flat = documents(cfg, m * k * (cfg["warmup"] + cfg["steps"] - 1))
+    micro = [flat[i:i + m] for i in range(0, len(flat), m)]
+    steps = [micro[i:i + k] for i in range(0, len(micro), k)]
+    return steps[:1] + steps
+
+
+def step_tokens(step: list[list[Doc]]) -> int:
+    return sum(len(p) + len(c) for micro in step for p, c in micro)
+
+
+def step_targets(step: list[list[Doc]]) -> int:
+    """KD target positions: one per completion token (the prompt is never empty)."""
+    return sum(len(c) for micro in step for _, c in micro)
+
+
+def labels_of(doc: Doc) -> list[int]:
+    p, c = doc
+    return [-100] * len(p) + list(c)
+
+
+# -------------------------------------------------------------------------- child processes
+
+
+def export(cfg: dict[str, Any], model_dir: str, adapter_dir: str, teacher_dir: str) -> dict[str, Any]:
+    """The student and its adapter (benchmarks.sft.export), and a teacher of the same shape with
+    other random weights: the checkpoints both sides load."""
+    import torch
+
+    from benchmarks.sft import export as export_student
+    from core.model.args import ModelArgs
+    from core.model.model import build_model
+    from registry.hf import save_pretrained
+
+    out = export_student(cfg, model_dir, adapter_dir)
+    torch.manual_seed(TEACHER_SEED)
+    save_pretrained(build_model(ModelArgs(**cfg["model"]), seed=TEACHER_SEED), teacher_dir)
+    return {**out, "teacher_params": out["params"], "teacher_seed": TEACHER_SEED}
+
+
+def run_side(side: str, cfg: dict[str, Any], dirs: dict[str, str], work: str) -> dict[str, Any]:
+    """One side in a fresh process: load, run warmup + timed steps, report per-step figures."""
+    import torch
+
+    start_rss = _rss_mb()
+    torch.manual_seed(SEED)
+    steps = steps_of(cfg)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON document alone
+        records, info = _trl(cfg, dirs, steps, work) if side == "trl" else \
+            _posttrain(dirs, steps, sft=side == "ours_sft")
+    peak = _maxrss_mb()
+    timed = slice(cfg["warmup"], None)
+    seconds = [r["s"] for r in records]
+    return {
+        "tokens_per_s": sum(step_tokens(s) for s in steps[timed]) / sum(seconds[timed]),
+        "step_s": seconds[timed],
+        "losses": [r["loss"] for r in records],
+        "grad_norms": [r["grad_norm"] for r in records],
+        "peak_mem_mb": peak - start_rss,
+        "process_peak_rss_mb": peak,
+        "start_rss_mb": start_rss,
+        "threads": torch.get_num_threads(),
+        **info,
+    }
+
+
+def _posttrain(dirs: dict[str, str], steps, sft: bool):
+    from core.data.encode import Document
+    from core.data.packing import collate_padding_free
+    from core.objectives import distill_objective, sft_objective
+    from core.optim import OptimConfig
+    from core.trainer import Trainer
+    from registry.adapters import load_adapter
+    from registry.hf import load_pretrained
+
+    model = load_pretrained(dirs["model"])
+    load_adapter(model, dirs["adapter"])
+    trainer = Trainer(model, OptimConfig(**OPTIM, warmup_steps=0, schedule="constant", max_grad_norm=None),
+                      total_steps=len(steps))
+    if sft:
+        objective = sft_objective
+    else:  # frozen as stages.recipe.parallelize_frozen leaves it on one process
+        teacher = load_pretrained(dirs["teacher"]).requires_grad_(False).eval()
+        objective = distill_objective(teacher, DIVERGENCE, TEMPERATURE, JSD_BETA, CE_WEIGHT)
+    built = [[[Document(p + c, labels_of((p, c))) for p, c in micro] for micro in step] for step in steps]
+    records, targets = [], []
+    for step in built:
+        t0 = time.perf_counter()
+        for micro in step:
+            trainer.forward_backward(collate_padding_free(micro), objective)
+        m = trainer.optim_step()
+        records.append({"s": time.perf_counter() - t0, "loss": m["loss"], "grad_norm": m["grad_norm"]})
+        targets.append(int(m["tokens"]))
+    return records, {"target_tokens_per_step": targets}
+
+
+def _trl(cfg, dirs: dict[str, str], steps, work):
+    import warnings
+
+    import datasets
+    import torch
+    from peft import LoraConfig, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from transformers.utils import logging as hf_logging
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    flat = [doc for step in steps for micro in step for doc in micro]
+    data = datasets.Dataset.from_dict({"messages": [
+        [{"role": "user", "content": _text(p)}, {"role": "assistant", "content": _text(c)}] for p, c in flat]})
+    tok = _tokenizer(cfg["model"]["vocab_size"])
+    tok.chat_template = CHAT_TEMPLATE
+
+    def load(path: str):
+        return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+
+    model, teacher = load(dirs["model"]), load(dirs["teacher"])
+    args = GKDConfig(
+        output_dir=work, seed=SEED, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=cfg["docs_per_micro"], gradient_accumulation_steps=cfg["micro_per_step"],
+        max_steps=len(steps), num_train_epochs=1, train_sampling_strategy="sequential",
+        optim="adamw_torch", learning_rate=OPTIM["lr"], adam_beta1=OPTIM["betas"][0], adam_beta2=OPTIM["betas"][1],
+        adam_epsilon=OPTIM["eps"], weight_decay=OPTIM["weight_decay"], lr_scheduler_type="constant", warmup_steps=0,
+        max_grad_norm=0.0, lmbda=TRL_LMBDA, beta=TRL_BETA, temperature=TEMPERATURE, seq_kd=False,
+        max_length=cfg["model"]["max_position_embeddings"], logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0, dataloader_pin_memory=False)
+    begin: list[float] = []
+    end: list[float] = []
+    logged: list[dict] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            end.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                logged.append(dict(logs))
+
+    lora = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+                      target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, train_dataset=data, processing_class=tok,
+                         peft_config=lora, callbacks=[Clock()])
+    trainer.remove_callback(PrinterCallback)
+    loaded = set_peft_model_state_dict(trainer.model, load_file(str(Path(dirs["adapter"]) / "adapter_model.safetensors")))
+    missing = [k for k in loaded.missing_keys if "lora_" in k]
+    if loaded.unexpected_keys or missing:
+        raise RuntimeError(f"adapter did not load into peft: unexpected {loaded.unexpected_keys[:3]}, "
+                           f"missing {missing[:3]}")
+    if not trainer.model_accepts_loss_kwargs:  # else no num_items_in_batch: per-micro batchmean / accumulation
+        raise RuntimeError("TRL would not normalize by the step's target tokens (num_items_in_batch)")
+    # exactly our micro-batches, ids and prompt masks, in our order, from TRL's own loader and collator
+    micro = [m for step in steps for m in step]
+    batches = list(trainer.get_train_dataloader())
+    if len(batches) < len(micro):
+        raise RuntimeError(f"TRL's loader has {len(batches)} batches, expected {len(micro)}")
+    for want, got in zip(micro, batches):
+        rows = [(ids[mask == 1].tolist(), lab[mask == 1].tolist())
+                for ids, lab, mask in zip(got["input_ids"], got["labels"], got["attention_mask"])]
+        if rows != [(p + c, labels_of((p, c))) for p, c in want]:
+            raise RuntimeError("TRL's collated batches differ from the benchmark's token ids / prompt masks")
+    del batches
+    trainer.train()
+    if not (len(begin) == len(end) == len(logged) == len(steps)):
+        raise RuntimeError(f"TRL ran {len(end)} steps and logged {len(logged)}, expected {len(steps)}")
+    starts = [begin[0]] + end[:-1]  # step i's cost: from the end of step i - 1 to its own end
+    records = [{"s": e - s, "loss": float(g["loss"]), "grad_norm": float(g["grad_norm"])}
+               for s, e, g in zip(starts, end, logged)]
+    # what the collator pads: each micro-batch's rows to its longest document
+    padded = [sum(len(m) * max(len(p) + len(c) for p, c in m) for m in step) for step in steps]
+    timed = slice(cfg["warmup"], None)
+    return records, {"step_compute_s": [e - b for b, e in zip(begin, end)][timed], "padded_tokens_per_step": padded}
+
+
+# ------------------------------------------------------------------------------------- driver
+
+
+def loss_check(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
+    """The two sides ran the same computation: module docstring, `loss_check`."""
+    lo, lt = ours["losses"], trl["losses"]
+    first = {"ours": lo[0], "trl": lt[0], "rel_diff": _rel(lo[0], lt[0]), "tolerance": FIRST_LOSS_RTOL}
+    first["met"] = lo[0] > 0 and first["rel_diff"] <= FIRST_LOSS_RTOL
+    do, dt = lo[0] - lo[1], lt[0] - lt[1]
+    second = {"ours": lo[1], "trl": lt[1], "ours_drop": do, "trl_drop": dt, "rel_diff_of_drop": _rel(do, dt),
+              "rel_diff": _rel(lo[1], lt[1]), "tolerance": SECOND_LOSS_RTOL}
+    second["met"] = do > 0 and dt > 0 and second["rel_diff_of_drop"] <= SECOND_LOSS_RTOL
+    parts = {"first_step_loss": first}
+    for key, i in (("first_step_grad_norm", 0), ("second_step_grad_norm", 1)):
+        go, gt = ours["grad_norms"][i], trl["grad_norms"][i]
+        parts[key] = {"ours": go, "trl": gt, "rel_diff": _rel(go, gt), "tolerance": GRAD_NORM_RTOL,
+                      "met": go > 0 and _rel(go, gt) <= GRAD_NORM_RTOL}
+    parts["second_step_loss"] = second
+    return {**parts, "max_rel_diff_all_steps": max(map(_rel, lo, lt)), "met": all(x["met"] for x in parts.values())}
+
+
+def summarize(cfg: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for side in SIDES:
+        rs = runs[side]
+        out[side] = {
+            "tokens_per_s": _median([r["tokens_per_s"] for r in rs]),
+            "peak_mem_mb": max(r["peak_mem_mb"] for r in rs),
+            "process_peak_rss_mb": max(r["process_peak_rss_mb"] for r in rs),
+            "tokens_per_s_reps": [r["tokens_per_s"] for r in rs],
+            "peak_mem_mb_reps": [r["peak_mem_mb"] for r in rs],
+            **{k: v for k, v in rs[0].items() if k not in ("tokens_per_s", "peak_mem_mb", "process_peak_rss_mb")},
+        }
+    padded = sum(out["trl"]["padded_tokens_per_step"][cfg["warmup"]:])
+    real = sum(step_tokens(s) for s in steps_of(cfg)[cfg["warmup"]:])
+    out["trl"]["padding_fraction"] = 1 - real / padded
+    speed = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(runs["ours"], runs["trl"])]
+    floor = [s["tokens_per_s"] / o["tokens_per_s"] for o, s in zip(runs["ours"], runs["ours_sft"])]
+    out["ratios"] = {
+        "speedup": _median(speed), "speedup_reps": speed,
+        "memory_ratio": out["ours"]["peak_mem_mb"] / out["trl"]["peak_mem_mb"],
+        "process_rss_ratio": out["ours"]["process_peak_rss_mb"] / out["trl"]["process_peak_rss_mb"],
+        "sft_step_ratio": _median(floor), "sft_step_ratio_reps": floor,
+    }
+    out["loss_check"] = loss_check(out["ours"], out["trl"])
+    targets = {}
+    for name, (op, value) in TARGETS.items():
+        got = out["ratios"][name]
+        targets[name] = {"target": f"{op} {value}", "value": got, "met": got >= value if op == ">=" else got <= value}
+    out["targets"] = targets
+    return out
+
+
+def data_stats(cfg: dict[str, Any]) -> dict[str, Any]:
+    steps = steps_of(cfg)
+    flat = [d for s in steps for m in s for d in m]
+    return {"documents": len(flat), "docs_per_step": cfg["docs_per_micro"] * cfg["micro_per_step"],
+            "mean_prompt_len": sum(len(p) for p, _ in flat) / len(flat),
+            "mean_completion_len": sum(len(c) for _, c in flat) / len(flat),
+            "max_sequence_len": max(len(p) + len(c) for p, c in flat),
+            "tokens_per_step": [step_tokens(s) for s in steps],
+            "target_tokens_per_step": [step_targets(s) for s in steps]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.distill", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny models, few steps (for the tests)")
+    p.add_argument("--steps", type=int, help="timed steps per side and repetition (after the warmup)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (>= 1)")
+    p.add_argument("--reps", type=int, help="repetitions per side, alternating the order")
+    p.add_argument("--out", help="also write the JSON document here")
+    a = p.parse_args(argv)
+    cfg = dict(QUICK if a.quick else FULL)
+    for key in ("steps", "warmup", "reps"):
+        if getattr(a, key) is not None:
+            cfg[key] = getattr(a, key)
+    if cfg["steps"] < 1 or cfg["reps"] < 1 or cfg["warmup"] < 1:  # the check's second step, TRL's clock
+        p.error("--steps, --reps and --warmup must be >= 1")
+    missing = missing_packages(REQUIRED)
+    if missing:
+        print(f"benchmarks.distill compares against TRL + peft; not installed: {', '.join(missing)}. "
+              f"Install them with: {INSTALL_HINT}", file=sys.stderr)
+        return 2
+
+    import multiprocessing as mp
+
+    from benchmarks import distill as this  # by module name, so the children can unpickle the functions
+    from stages.config import DistillConfig
+
+    stage = DistillConfig.model_fields
+    if (stage["divergence"].default, stage["temperature"].default, stage["ce_weight"].default) != \
+            (DIVERGENCE, TEMPERATURE, CE_WEIGHT):
+        raise RuntimeError("DistillConfig's defaults moved: update the benchmark's divergence settings")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    load_start = os.getloadavg()
+    t_start = time.time()
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
+    with tempfile.TemporaryDirectory(prefix="bench_distill_") as tmp:
+        dirs = {k: str(Path(tmp) / k) for k in ("model", "adapter", "teacher")}
+        exported = _in_fresh_process(ctx, this.export, cfg, dirs["model"], dirs["adapter"], dirs["teacher"])
+        for rep in range(cfg["reps"]):
+            for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
+                r = _in_fresh_process(ctx, this.run_side, side, cfg, dirs, str(Path(tmp) / f"trl-{rep}"))
+                runs[side].append(r)
+                print(f"[bench distill] rep {rep} {side:8s} {r['tokens_per_s']:9.1f} tok/s "
+                      f"peak +{r['peak_mem_mb']:.0f} MB", file=sys.stderr, flush=True)
+
+    import peft
+    import torch
+    import transformers
+    import trl
+
+    doc = {
+        "benchmark": "distill",
+        "quick": a.quick,
+        "device": "cpu",
+        "dtype": "float32",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+                     "trl": trl.__version__},
+        "config": {**cfg, "lora": LORA, "optim": {**OPTIM, "schedule": "constant", "grad_clip": None}, "seed": SEED,
+                   "mode": "online", "divergence": DIVERGENCE, "temperature": TEMPERATURE, "ce_weight": CE_WEIGHT,
+                   "trl": {"trainer": "trl.experimental.gkd.GKDTrainer", "beta": TRL_BETA, "lmbda": TRL_LMBDA,
+                           "seq_kd": False, "loss_temperature": 1.0},
+                   "normalization": "mean over the step's completion (target) tokens, both sides", **exported},
+        "method": {
+            "tokens_per_s": "prompt+completion tokens (no padding) / wall time of the timed steps (after warmup); "
+                            "median over reps; ours/ours_sft: time around each step; trl: between consecutive "
+                            "on_step_end callbacks of GKDTrainer.train()",
+            "peak_mem_mb": "ru_maxrss of a fresh process forked from a forkserver that preloaded torch/transformers/"
+                           "peft/trl/datasets/posttrain, minus that process's RSS at start; max over reps",
+            "speedup": "median over reps of ours/trl tokens_per_s",
+            "memory_ratio": "ours peak_mem_mb / trl peak_mem_mb",
+            "sft_step_ratio": "posttrain distillation step time / posttrain SFT step time on the same documents and "
+                              "micro-batches; median over reps",
+            "loss_check": f"step 0 loss rel diff <= {FIRST_LOSS_RTOL}, grad norm rel diff <= {GRAD_NORM_RTOL}; step 1 "
+                          f"(step 0's documents after one update): loss dropped on both sides, drops rel diff <= "
+                          f"{SECOND_LOSS_RTOL}, grad norm rel diff <= {GRAD_NORM_RTOL}",
+        },
+        "load_avg": {"start": list(load_start), "end": list(os.getloadavg())},
+        "wall_s": time.time() - t_start,
+        "data": data_stats(cfg),
+        **summarize(cfg, runs),
+    }
+    return emit(doc, a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
