@@ -5,7 +5,7 @@
     posttrain serve [CONFIG.yaml]                   Prefect deployments: on demand + cron retraining
     posttrain ui                                    prefect server + mlflow server on 127.0.0.1
     posttrain demo                                  the embedded default pipeline, end to end
-    posttrain bench sft|kernels|adapters|weight_sync|generate|online|serve|optimizers|precision|qat|gpu|dpo|all   benchmarks, JSON out
+    posttrain bench sft|kernels|adapters|weight_sync|generate|online|serve|optimizers|precision|qat|gpu|dpo|distill|all   benchmarks, JSON out
     posttrain config [CONFIG.yaml] [--set ...]      the resolved DAG and what is cached (--json, --convert OLD)
     posttrain generate MODEL "prompt" ...           sample from a preset, HF dir or stage output
     posttrain serve-model MODEL [--adapters a=DIR]  OpenAI-compatible server on 127.0.0.1 (docs/serving.md)
@@ -137,7 +137,8 @@ def cmd_bench(args) -> int:
     modules = {"sft": "benchmarks.sft", "kernels": "benchmarks.kernels", "adapters": "benchmarks.adapters",
                "weight_sync": "benchmarks.weight_sync", "generate": "benchmarks.generate", "online": "benchmarks.online",
                "serve": "benchmarks.serve", "optimizers": "benchmarks.optimizers", "precision": "benchmarks.precision",
-               "qat": "benchmarks.qat", "gpu": "benchmarks.gpu", "dpo": "benchmarks.dpo"}
+               "qat": "benchmarks.qat", "gpu": "benchmarks.gpu", "dpo": "benchmarks.dpo",
+               "distill": "benchmarks.distill"}
     # `all` is what runs on this machine; the GPU script is run on its own, on a GPU (benchmarks/gpu.py)
     which = [w for w in modules if w != "gpu"] if args.what == "all" else [args.what]
     rc = 0
@@ -397,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (JSON on stdout)")
     p.add_argument("what", choices=["sft", "kernels", "adapters", "weight_sync", "generate", "online", "serve",
-                                    "optimizers", "precision", "qat", "gpu", "dpo", "all"])
+                                    "optimizers", "precision", "qat", "gpu", "dpo", "distill",
+                                    "all"])
     p.add_argument("extra", nargs=argparse.REMAINDER, help="passed to the benchmark script")
     p.set_defaults(func=cmd_bench)
 
