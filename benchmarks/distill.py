@@ -91,20 +91,17 @@ Tests assert only on the document's structure and the loss check, never on timin
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import emit
-from benchmarks.dpo import _rel, _text, _tokenizer
+from benchmarks import emit, peer
+from benchmarks.dpo import _text, _tokenizer
 from benchmarks.sft import FULL as SFT_FULL
-from benchmarks.sft import LORA, QUICK as SFT_QUICK, _in_fresh_process, _maxrss_mb, _median, _rss_mb, missing_packages
+from benchmarks.sft import LORA, QUICK as SFT_QUICK, _maxrss_mb, _rss_mb
 
 SEED, TEACHER_SEED = 0, 1  # the student's (and data's), the teacher's weights
 EOS = 0  # every completion ends with it; also the pad id
@@ -112,7 +109,6 @@ OPTIM = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 # posttrain's side: DistillConfig's defaults (checked in `main`); TRL's: beta 0 = forward KL
 DIVERGENCE, TEMPERATURE, JSD_BETA, CE_WEIGHT = "forward_kl", 1.0, 0.5, 0.0
 TRL_BETA, TRL_LMBDA = 0.0, 0.0
-SIDES = ("ours", "trl", "ours_sft")
 # Step 0: the same KL in fp32 by different kernels (padded sdpa + full logits vs packed attention +
 # a chunked head) summed in different orders (--quick: ~1e-7).
 FIRST_LOSS_RTOL = 1e-5
@@ -123,8 +119,6 @@ GRAD_NORM_RTOL = 1e-4
 # or normalization moves the drop by far more than this.
 SECOND_LOSS_RTOL = 5e-3
 TARGETS = {"sft_step_ratio": ("<=", 1.4)}
-REQUIRED = ("transformers", "peft", "trl", "datasets")
-INSTALL_HINT = "pip install 'posttrain[bench]'"
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "peft.tuners.lora",
            "datasets", "accelerate", "trl", "trl.experimental.gkd", "safetensors.torch", "tokenizers",
            "core.model.model", "core.lora", "core.trainer", "core.objectives", "core.data.packing",
@@ -351,52 +345,20 @@ def _trl(cfg, dirs: dict[str, str], steps, work):
 def loss_check(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
     """The two sides ran the same computation: module docstring, `loss_check`."""
     lo, lt = ours["losses"], trl["losses"]
-    first = {"ours": lo[0], "trl": lt[0], "rel_diff": _rel(lo[0], lt[0]), "tolerance": FIRST_LOSS_RTOL}
+    first = {"ours": lo[0], "trl": lt[0], "rel_diff": peer.rel(lo[0], lt[0]), "tolerance": FIRST_LOSS_RTOL}
     first["met"] = lo[0] > 0 and first["rel_diff"] <= FIRST_LOSS_RTOL
     do, dt = lo[0] - lo[1], lt[0] - lt[1]
-    second = {"ours": lo[1], "trl": lt[1], "ours_drop": do, "trl_drop": dt, "rel_diff_of_drop": _rel(do, dt),
-              "rel_diff": _rel(lo[1], lt[1]), "tolerance": SECOND_LOSS_RTOL, "loss_tolerance": FIRST_LOSS_RTOL}
+    second = {"ours": lo[1], "trl": lt[1], "ours_drop": do, "trl_drop": dt, "rel_diff_of_drop": peer.rel(do, dt),
+              "rel_diff": peer.rel(lo[1], lt[1]), "tolerance": SECOND_LOSS_RTOL, "loss_tolerance": FIRST_LOSS_RTOL}
     second["met"] = (do > 0 and dt > 0 and second["rel_diff_of_drop"] <= SECOND_LOSS_RTOL
                      and second["rel_diff"] <= FIRST_LOSS_RTOL)
     parts = {"first_step_loss": first}
     for key, i in (("first_step_grad_norm", 0), ("second_step_grad_norm", 1)):
         go, gt = ours["grad_norms"][i], trl["grad_norms"][i]
-        parts[key] = {"ours": go, "trl": gt, "rel_diff": _rel(go, gt), "tolerance": GRAD_NORM_RTOL,
-                      "met": go > 0 and _rel(go, gt) <= GRAD_NORM_RTOL}
+        parts[key] = {"ours": go, "trl": gt, "rel_diff": peer.rel(go, gt), "tolerance": GRAD_NORM_RTOL,
+                      "met": go > 0 and peer.rel(go, gt) <= GRAD_NORM_RTOL}
     parts["second_step_loss"] = second
-    return {**parts, "max_rel_diff_all_steps": max(map(_rel, lo, lt)), "met": all(x["met"] for x in parts.values())}
-
-
-def summarize(cfg: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for side in SIDES:
-        rs = runs[side]
-        out[side] = {
-            "tokens_per_s": _median([r["tokens_per_s"] for r in rs]),
-            "peak_mem_mb": max(r["peak_mem_mb"] for r in rs),
-            "process_peak_rss_mb": max(r["process_peak_rss_mb"] for r in rs),
-            "tokens_per_s_reps": [r["tokens_per_s"] for r in rs],
-            "peak_mem_mb_reps": [r["peak_mem_mb"] for r in rs],
-            **{k: v for k, v in rs[0].items() if k not in ("tokens_per_s", "peak_mem_mb", "process_peak_rss_mb")},
-        }
-    padded = sum(out["trl"]["padded_tokens_per_step"][cfg["warmup"]:])
-    real = sum(step_tokens(s) for s in steps_of(cfg)[cfg["warmup"]:])
-    out["trl"]["padding_fraction"] = 1 - real / padded
-    speed = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(runs["ours"], runs["trl"])]
-    floor = [s["tokens_per_s"] / o["tokens_per_s"] for o, s in zip(runs["ours"], runs["ours_sft"])]
-    out["ratios"] = {
-        "speedup": _median(speed), "speedup_reps": speed,
-        "memory_ratio": out["ours"]["peak_mem_mb"] / out["trl"]["peak_mem_mb"],
-        "process_rss_ratio": out["ours"]["process_peak_rss_mb"] / out["trl"]["process_peak_rss_mb"],
-        "sft_step_ratio": _median(floor), "sft_step_ratio_reps": floor,
-    }
-    out["loss_check"] = loss_check(out["ours"], out["trl"])
-    targets = {}
-    for name, (op, value) in TARGETS.items():
-        got = out["ratios"][name]
-        targets[name] = {"target": f"{op} {value}", "value": got, "met": got >= value if op == ">=" else got <= value}
-    out["targets"] = targets
-    return out
+    return {**parts, "max_rel_diff_all_steps": max(map(peer.rel, lo, lt)), "met": all(x["met"] for x in parts.values())}
 
 
 def data_stats(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -410,26 +372,9 @@ def data_stats(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.distill", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny models, few steps (for the tests)")
-    p.add_argument("--steps", type=int, help="timed steps per side and repetition (after the warmup)")
-    p.add_argument("--warmup", type=int, help="untimed steps first (>= 1)")
-    p.add_argument("--reps", type=int, help="repetitions per side, alternating the order")
-    p.add_argument("--out", help="also write the JSON document here")
-    a = p.parse_args(argv)
-    cfg = dict(QUICK if a.quick else FULL)
-    for key in ("steps", "warmup", "reps"):
-        if getattr(a, key) is not None:
-            cfg[key] = getattr(a, key)
-    if cfg["steps"] < 1 or cfg["reps"] < 1 or cfg["warmup"] < 1:  # the check's second step, TRL's clock
-        p.error("--steps, --reps and --warmup must be >= 1")
-    missing = missing_packages(REQUIRED)
-    if missing:
-        print(f"benchmarks.distill compares against TRL + peft; not installed: {', '.join(missing)}. "
-              f"Install them with: {INSTALL_HINT}", file=sys.stderr)
+    a, cfg = peer.parse("distill", __doc__.split("\n\n")[0], FULL, QUICK, argv)
+    if cfg is None:
         return 2
-
-    import multiprocessing as mp
 
     from benchmarks import distill as this  # by module name, so the children can unpickle the functions
     from stages.config import DistillConfig
@@ -437,38 +382,19 @@ def main(argv: list[str] | None = None) -> int:
     if tuple(DistillConfig.model_fields[k].default for k in ("divergence", "temperature", "ce_weight")) != \
             (DIVERGENCE, TEMPERATURE, CE_WEIGHT):  # the stage's defaults are what is benchmarked
         raise RuntimeError("DistillConfig's defaults moved: update the benchmark's divergence settings")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    load_start = os.getloadavg()
-    t_start = time.time()
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
-    with tempfile.TemporaryDirectory(prefix="bench_distill_") as tmp:
-        dirs = {k: str(Path(tmp) / k) for k in ("model", "adapter", "teacher")}
-        exported = _in_fresh_process(ctx, this.export, cfg, dirs["model"], dirs["adapter"], dirs["teacher"])
-        for rep in range(cfg["reps"]):
-            for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
-                r = _in_fresh_process(ctx, this.run_side, side, cfg, dirs, str(Path(tmp) / f"trl-{rep}"))
-                runs[side].append(r)
-                print(f"[bench distill] rep {rep} {side:8s} {r['tokens_per_s']:9.1f} tok/s "
-                      f"peak +{r['peak_mem_mb']:.0f} MB", file=sys.stderr, flush=True)
-
-    import peft
-    import torch
-    import transformers
-    import trl
-
+    sides = peer.run_sides("distill", cfg, PRELOAD, this.export, ("model", "adapter", "teacher"), this.run_side)
+    timed = sum(step_tokens(s) for s in steps_of(cfg)[cfg["warmup"]:])
     doc = {
         "benchmark": "distill",
         "quick": a.quick,
         "device": "cpu",
         "dtype": "float32",
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-                     "trl": trl.__version__},
+        "versions": peer.versions(),
         "config": {**cfg, "lora": LORA, "optim": {**OPTIM, "schedule": "constant", "grad_clip": None}, "seed": SEED,
                    "mode": "online", "divergence": DIVERGENCE, "temperature": TEMPERATURE, "ce_weight": CE_WEIGHT,
                    "trl": {"trainer": "trl.experimental.gkd.GKDTrainer", "beta": TRL_BETA, "lmbda": TRL_LMBDA,
                            "seq_kd": False, "loss_temperature": 1.0},
-                   "normalization": "mean over the step's completion (target) tokens, both sides", **exported},
+                   "normalization": "mean over the step's completion (target) tokens, both sides", **sides["exported"]},
         "method": {
             "tokens_per_s": "prompt+completion tokens (no padding) / wall time of the timed steps (after warmup); "
                             "median over reps; ours/ours_sft: time around each step; trl: between consecutive "
@@ -484,10 +410,10 @@ def main(argv: list[str] | None = None) -> int:
                           f"on both sides, drops rel diff <= {SECOND_LOSS_RTOL}, grad norms rel diff <= "
                           f"{GRAD_NORM_RTOL}",
         },
-        "load_avg": {"start": list(load_start), "end": list(os.getloadavg())},
-        "wall_s": time.time() - t_start,
+        "load_avg": sides["load_avg"],
+        "wall_s": sides["wall_s"],
         "data": data_stats(cfg),
-        **summarize(cfg, runs),
+        **peer.summarize(sides["runs"], cfg["warmup"], timed, loss_check, TARGETS),
     }
     return emit(doc, a.out)
 

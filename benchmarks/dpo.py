@@ -79,26 +79,22 @@ loss check.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import emit
+from benchmarks import emit, peer
 from benchmarks.sft import FULL as SFT_FULL
-from benchmarks.sft import LORA, QUICK as SFT_QUICK, _in_fresh_process, _maxrss_mb, _median, _rss_mb, missing_packages
+from benchmarks.sft import LORA, QUICK as SFT_QUICK, _maxrss_mb, _rss_mb
 
 BETA = 0.1
 LOSS_TYPE = "sigmoid"
 SEED = 0
 EOS = 0  # every completion ends with it (TRL appends an EOS to a completion that lacks one)
 OPTIM = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-SIDES = ("ours", "trl", "ours_sft")
 # Both sides start at exactly log 2 (policy == reference); fp32 rounding of the sum only.
 FIRST_LOSS_ATOL = 1e-6
 # Gradient norms of steps 0 and 1: fp32, but different kernels (padded sdpa + TRL's fused head vs
@@ -109,8 +105,6 @@ GRAD_NORM_RTOL = 1e-4
 # (--quick: ~2e-5; a wrong beta, lr, reference or pair weighting is off by far more).
 SECOND_LOSS_RTOL = 1e-3
 TARGETS = {"sft_step_ratio": ("<=", 1.4)}
-REQUIRED = ("transformers", "peft", "trl", "datasets")
-INSTALL_HINT = "pip install 'posttrain[bench]'"
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "peft.tuners.lora",
            "datasets", "accelerate", "trl", "trl.trainer.dpo_trainer", "safetensors.torch", "tokenizers",
            "core.model.model", "core.lora", "core.trainer", "core.objectives", "core.data.packing",
@@ -179,10 +173,11 @@ def step_tokens(step: list[list[Pair]]) -> int:
 # -------------------------------------------------------------------------- child processes
 
 
-def run_side(side: str, cfg: dict[str, Any], model_dir: str, adapter_dir: str, work: str) -> dict[str, Any]:
+def run_side(side: str, cfg: dict[str, Any], dirs: dict[str, str], work: str) -> dict[str, Any]:
     """One side in a fresh process: load, run warmup + timed steps, report per-step figures."""
     import torch
 
+    model_dir, adapter_dir = dirs["model"], dirs["adapter"]
     start_rss = _rss_mb()
     torch.manual_seed(SEED)
     steps = steps_of(cfg)
@@ -333,10 +328,6 @@ def _trl(cfg, model_dir, adapter_dir, steps, work):
 # ------------------------------------------------------------------------------------- driver
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
 def loss_check(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
     """The two sides ran the same computation: module docstring, `loss_check`."""
     log2 = math.log(2)
@@ -345,52 +336,20 @@ def loss_check(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
              "ours_minus_log2": lo[0] - log2, "trl_minus_log2": lt[0] - log2}
     first["met"] = max(first["abs_diff"], abs(lo[0] - log2), abs(lt[0] - log2)) <= FIRST_LOSS_ATOL
     go, gt = ours["grad_norms"][0], trl["grad_norms"][0]
-    grad = {"ours": go, "trl": gt, "rel_diff": _rel(go, gt), "tolerance": GRAD_NORM_RTOL}
+    grad = {"ours": go, "trl": gt, "rel_diff": peer.rel(go, gt), "tolerance": GRAD_NORM_RTOL}
     grad["met"] = go > 0 and grad["rel_diff"] <= GRAD_NORM_RTOL
     do, dt = lo[1] - log2, lt[1] - log2
     second = {"ours": lo[1], "trl": lt[1], "ours_minus_log2": do, "trl_minus_log2": dt,
-              "rel_diff_of_distance_from_log2": _rel(do, dt), "rel_diff": _rel(lo[1], lt[1]),
+              "rel_diff_of_distance_from_log2": peer.rel(do, dt), "rel_diff": peer.rel(lo[1], lt[1]),
               "tolerance": SECOND_LOSS_RTOL}
     # the same pairs after one update: the loss must have dropped, by the same amount on both sides
     second["met"] = do < 0 and dt < 0 and second["rel_diff_of_distance_from_log2"] <= SECOND_LOSS_RTOL
     go1, gt1 = ours["grad_norms"][1], trl["grad_norms"][1]
-    grad1 = {"ours": go1, "trl": gt1, "rel_diff": _rel(go1, gt1), "tolerance": GRAD_NORM_RTOL}
+    grad1 = {"ours": go1, "trl": gt1, "rel_diff": peer.rel(go1, gt1), "tolerance": GRAD_NORM_RTOL}
     grad1["met"] = grad1["rel_diff"] <= GRAD_NORM_RTOL
     parts = {"first_step_loss": first, "first_step_grad_norm": grad, "second_step_loss": second,
              "second_step_grad_norm": grad1}
-    return {**parts, "max_rel_diff_all_steps": max(map(_rel, lo, lt)), "met": all(x["met"] for x in parts.values())}
-
-
-def summarize(cfg: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for side in SIDES:
-        rs = runs[side]
-        out[side] = {
-            "tokens_per_s": _median([r["tokens_per_s"] for r in rs]),
-            "peak_mem_mb": max(r["peak_mem_mb"] for r in rs),
-            "process_peak_rss_mb": max(r["process_peak_rss_mb"] for r in rs),
-            "tokens_per_s_reps": [r["tokens_per_s"] for r in rs],
-            "peak_mem_mb_reps": [r["peak_mem_mb"] for r in rs],
-            **{k: v for k, v in rs[0].items() if k not in ("tokens_per_s", "peak_mem_mb", "process_peak_rss_mb")},
-        }
-    padded = sum(out["trl"]["padded_tokens_per_step"][cfg["warmup"]:])
-    real = sum(step_tokens(s) for s in steps_of(cfg)[cfg["warmup"]:])
-    out["trl"]["padding_fraction"] = 1 - real / padded
-    speed = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(runs["ours"], runs["trl"])]
-    floor = [s["tokens_per_s"] / o["tokens_per_s"] for o, s in zip(runs["ours"], runs["ours_sft"])]
-    out["ratios"] = {
-        "speedup": _median(speed), "speedup_reps": speed,
-        "memory_ratio": out["ours"]["peak_mem_mb"] / out["trl"]["peak_mem_mb"],
-        "process_rss_ratio": out["ours"]["process_peak_rss_mb"] / out["trl"]["process_peak_rss_mb"],
-        "sft_step_ratio": _median(floor), "sft_step_ratio_reps": floor,
-    }
-    out["loss_check"] = loss_check(out["ours"], out["trl"])
-    targets = {}
-    for name, (op, value) in TARGETS.items():
-        got = out["ratios"][name]
-        targets[name] = {"target": f"{op} {value}", "value": got, "met": got >= value if op == ">=" else got <= value}
-    out["targets"] = targets
-    return out
+    return {**parts, "max_rel_diff_all_steps": max(map(peer.rel, lo, lt)), "met": all(x["met"] for x in parts.values())}
 
 
 def data_stats(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -409,62 +368,23 @@ def data_stats(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.dpo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, few steps (for the tests)")
-    p.add_argument("--steps", type=int, help="timed steps per side and repetition (after the warmup)")
-    p.add_argument("--warmup", type=int, help="untimed steps first (>= 1)")
-    p.add_argument("--reps", type=int, help="repetitions per side, alternating the order")
-    p.add_argument("--out", help="also write the JSON document here")
-    a = p.parse_args(argv)
-    cfg = dict(QUICK if a.quick else FULL)
-    for key in ("steps", "warmup", "reps"):
-        if getattr(a, key) is not None:
-            cfg[key] = getattr(a, key)
-    # warmup >= 1: TRL's step time is measured from the previous step's end; steps >= 1 and the
-    # warmup give the second step the loss check compares
-    if cfg["steps"] < 1 or cfg["reps"] < 1 or cfg["warmup"] < 1:
-        p.error("--steps, --reps and --warmup must be >= 1")
-    missing = missing_packages(REQUIRED)
-    if missing:
-        print(f"benchmarks.dpo compares against TRL + peft; not installed: {', '.join(missing)}. "
-              f"Install them with: {INSTALL_HINT}", file=sys.stderr)
+    a, cfg = peer.parse("dpo", __doc__.split("\n\n")[0], FULL, QUICK, argv)
+    if cfg is None:
         return 2
-
-    import multiprocessing as mp
-
     from benchmarks import dpo as this  # by module name, so the children can unpickle the functions
     from benchmarks import sft
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    load_start = os.getloadavg()
-    t_start = time.time()
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
-    with tempfile.TemporaryDirectory(prefix="bench_dpo_") as tmp:
-        model_dir, adapter_dir = str(Path(tmp) / "model"), str(Path(tmp) / "adapter")
-        exported = _in_fresh_process(ctx, sft.export, cfg, model_dir, adapter_dir)
-        for rep in range(cfg["reps"]):
-            for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
-                r = _in_fresh_process(ctx, this.run_side, side, cfg, model_dir, adapter_dir,
-                                      str(Path(tmp) / f"trl-{rep}"))
-                runs[side].append(r)
-                print(f"[bench dpo] rep {rep} {side:8s} {r['tokens_per_s']:9.1f} tok/s "
-                      f"peak +{r['peak_mem_mb']:.0f} MB", file=sys.stderr, flush=True)
-
-    import peft
-    import torch
-    import transformers
-    import trl
-
+    sides = peer.run_sides("dpo", cfg, PRELOAD, sft.export, ("model", "adapter"), this.run_side)
+    timed = sum(step_tokens(s) for s in steps_of(cfg)[cfg["warmup"]:])
     doc = {
         "benchmark": "dpo",
         "quick": a.quick,
         "device": "cpu",
         "dtype": "float32",
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-                     "trl": trl.__version__},
+        "versions": peer.versions(),
         "config": {**cfg, "lora": LORA, "optim": {**OPTIM, "schedule": "constant", "grad_clip": None},
-                   "beta": BETA, "loss_type": LOSS_TYPE, "reference": "disable_adapter", "seed": SEED, **exported},
+                   "beta": BETA, "loss_type": LOSS_TYPE, "reference": "disable_adapter", "seed": SEED,
+                   **sides["exported"]},
         "method": {
             "tokens_per_s": "prompt+completion tokens of chosen and rejected (no padding) / wall time of the timed "
                             "steps (after warmup); median over reps; ours/ours_sft: time around each step; trl: "
@@ -479,10 +399,10 @@ def main(argv: list[str] | None = None) -> int:
                           f"<= {GRAD_NORM_RTOL}; step 1 (step 0's pairs after one update): loss < log 2 on both sides, "
                           f"(loss - log 2) rel diff <= {SECOND_LOSS_RTOL}, grad norm rel diff <= {GRAD_NORM_RTOL}",
         },
-        "load_avg": {"start": list(load_start), "end": list(os.getloadavg())},
-        "wall_s": time.time() - t_start,
+        "load_avg": sides["load_avg"],
+        "wall_s": sides["wall_s"],
         "data": data_stats(cfg),
-        **summarize(cfg, runs),
+        **peer.summarize(sides["runs"], cfg["warmup"], timed, loss_check, TARGETS),
     }
     return emit(doc, a.out)
 

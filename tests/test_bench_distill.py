@@ -24,7 +24,8 @@ pytest.importorskip("peft")
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from benchmarks.distill import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, QUICK, SECOND_LOSS_RTOL, SIDES,  # noqa: E402
+from benchmarks.peer import SIDES  # noqa: E402
+from benchmarks.distill import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, QUICK, SECOND_LOSS_RTOL,  # noqa: E402
                                 TARGETS, main, step_targets, step_tokens, steps_of)
 
 pytestmark = pytest.mark.slow

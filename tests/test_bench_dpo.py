@@ -24,7 +24,8 @@ pytest.importorskip("peft")
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from benchmarks.dpo import (FIRST_LOSS_ATOL, GRAD_NORM_RTOL, QUICK, SECOND_LOSS_RTOL, SIDES, TARGETS,  # noqa: E402
+from benchmarks.peer import SIDES  # noqa: E402
+from benchmarks.dpo import (FIRST_LOSS_ATOL, GRAD_NORM_RTOL, QUICK, SECOND_LOSS_RTOL, TARGETS,  # noqa: E402
                             main, step_tokens, steps_of)
 
 pytestmark = pytest.mark.slow
