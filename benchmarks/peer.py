@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.sft import _in_fresh_process, _median, missing_packages
+from benchmarks.sft import _in_fresh_process, _median, missing_packages, side_figures
 
 SIDES = ("ours", "trl", "ours_sft")
 REQUIRED = ("transformers", "peft", "trl", "datasets")
@@ -92,11 +92,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], warmup: int, real_tokens: i
     for side in SIDES:
         rs = runs[side]
         out[side] = {
-            "tokens_per_s": _median([r["tokens_per_s"] for r in rs]),
-            "peak_mem_mb": max(r["peak_mem_mb"] for r in rs),
-            "process_peak_rss_mb": max(r["process_peak_rss_mb"] for r in rs),
-            "tokens_per_s_reps": [r["tokens_per_s"] for r in rs],
-            "peak_mem_mb_reps": [r["peak_mem_mb"] for r in rs],
+            **side_figures(rs),
             **{k: v for k, v in rs[0].items() if k not in ("tokens_per_s", "peak_mem_mb", "process_peak_rss_mb")},
         }
     out["trl"]["padding_fraction"] = 1 - real_tokens / sum(out["trl"]["padded_tokens_per_step"][warmup:])

@@ -309,17 +309,24 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
+def side_figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's repetitions: median tokens/s, peak memory, and each repetition's figures."""
+    return {
+        "tokens_per_s": _median([r["tokens_per_s"] for r in rs]),
+        "peak_mem_mb": max(r["peak_mem_mb"] for r in rs),
+        "process_peak_rss_mb": max(r["process_peak_rss_mb"] for r in rs),
+        "tokens_per_s_reps": [r["tokens_per_s"] for r in rs],
+        "peak_mem_mb_reps": [r["peak_mem_mb"] for r in rs],
+    }
+
+
 def _summarize(shape: str, cfg: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for side in ("ours", "baseline"):
         rs = runs[side]
         first = rs[0]
         out[side] = {
-            "tokens_per_s": _median([r["tokens_per_s"] for r in rs]),
-            "peak_mem_mb": max(r["peak_mem_mb"] for r in rs),
-            "process_peak_rss_mb": max(r["process_peak_rss_mb"] for r in rs),
-            "tokens_per_s_reps": [r["tokens_per_s"] for r in rs],
-            "peak_mem_mb_reps": [r["peak_mem_mb"] for r in rs],
+            **side_figures(rs),
             "start_rss_mb": first["start_rss_mb"],
             "setup_rss_mb": first["setup_rss_mb"],
             "micro_batches_per_step": first["micro_batches_per_step"],
