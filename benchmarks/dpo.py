@@ -67,6 +67,11 @@ Measures
   sft_step_ratio posttrain's DPO step time / posttrain's SFT step time on the same tokens (median
                  over reps); a DPO step is a policy forward + backward on chosen and rejected
                  plus one reference forward, so ideally <= 1.4.
+  sft_step_ratio_precomputed
+                 the same for a fourth side, `ours_precomputed`: the stage's reference
+                 'precomputed' (every step's reference log-probs computed once before training,
+                 untimed, as stages.dpo does; `reference_precompute_s` is that one-time cost), so a
+                 step is the policy's forward + backward alone: ideally <= 1.1.
   loss_check     step 0: policy == reference on both sides, so both losses are log 2 (within
                  FIRST_LOSS_ATOL); that alone proves nothing, so the step-0 gradient norm (the
                  DPO gradient through the LoRA B matrices) must agree within GRAD_NORM_RTOL; and
@@ -104,7 +109,8 @@ GRAD_NORM_RTOL = 1e-4
 # gradient entry at rounding level may flip sign between the sides and move by a full lr
 # (--quick: ~2e-5; a wrong beta, lr, reference or pair weighting is off by far more).
 SECOND_LOSS_RTOL = 1e-3
-TARGETS = {"sft_step_ratio": ("<=", 1.4)}
+TARGETS = {"sft_step_ratio": ("<=", 1.4), "sft_step_ratio_precomputed": ("<=", 1.1)}
+EXTRA_SIDES = ("ours_precomputed",)
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "peft.tuners.lora",
            "datasets", "accelerate", "trl", "trl.trainer.dpo_trainer", "safetensors.torch", "tokenizers",
            "core.model.model", "core.lora", "core.trainer", "core.objectives", "core.data.packing",
@@ -183,7 +189,7 @@ def run_side(side: str, cfg: dict[str, Any], dirs: dict[str, str], work: str) ->
     steps = steps_of(cfg)
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON document alone
         records, info = _trl(cfg, model_dir, adapter_dir, steps, work) if side == "trl" else \
-            _posttrain(cfg, model_dir, adapter_dir, steps, sft=side == "ours_sft")
+            _posttrain(cfg, model_dir, adapter_dir, steps, side)
     peak = _maxrss_mb()
     timed = slice(cfg["warmup"], None)
     seconds = [r["s"] for r in records]
@@ -202,7 +208,9 @@ def run_side(side: str, cfg: dict[str, Any], dirs: dict[str, str], work: str) ->
     }
 
 
-def _posttrain(cfg, model_dir, adapter_dir, steps, sft: bool):
+def _posttrain(cfg, model_dir, adapter_dir, steps, side: str):
+    import torch
+
     from core.data.encode import PreferencePair
     from core.data.packing import collate_padding_free, collate_preference
     from core.objectives import dpo_objective, sft_objective
@@ -216,9 +224,17 @@ def _posttrain(cfg, model_dir, adapter_dir, steps, sft: bool):
     load_adapter(model, adapter_dir)
     optim = OptimConfig(**OPTIM, warmup_steps=0, schedule="constant", max_grad_norm=None)
     trainer = Trainer(model, optim, total_steps=len(steps))
-    # the stage's objective with reference 'disable_adapter' (stages.dpo.DPO.setup), called directly
-    objective = sft_objective if sft else dpo_objective(BETA, LOSS_TYPE, reference=live_reference(model))
+    sft, precomputed = side == "ours_sft", side == "ours_precomputed"
+    # the stage's objective with reference 'disable_adapter' or 'precomputed' (stages.dpo.DPO.setup)
+    reference = live_reference(model)
+    objective = sft_objective if sft else dpo_objective(BETA, LOSS_TYPE, reference=None if precomputed else reference)
     built = [[[PreferencePair(p, c, list(c), r, list(r)) for p, c, r in micro] for micro in step] for step in steps]
+    info: dict[str, Any] = {}
+    if precomputed:  # once, before training (untimed): the reference is the starting policy
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            refs = [[reference(collate_preference(micro)) for micro in step] for step in built]
+        info["reference_precompute_s"] = time.perf_counter() - t0
 
     def collate(micro: list) -> dict:
         if sft:  # the same sequences as SFT documents: chosen then rejected, one packed row
@@ -226,14 +242,17 @@ def _posttrain(cfg, model_dir, adapter_dir, steps, sft: bool):
         return collate_preference(micro)
 
     records = []
-    for step in built:
+    for i, step in enumerate(built):
         t0 = time.perf_counter()
-        for micro in step:
-            trainer.forward_backward(collate(micro), objective)
+        for j, micro in enumerate(step):
+            batch = collate(micro)
+            if precomputed:
+                batch["ref_logps"] = refs[i][j]
+            trainer.forward_backward(batch, objective)
         m = trainer.optim_step()
         records.append({"s": time.perf_counter() - t0, "loss": m["loss"], "grad_norm": m["grad_norm"],
                         "margin": m.get("rewards/margin")})
-    return records, {}
+    return records, info
 
 
 def _tokenizer(vocab: int):
@@ -374,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import dpo as this  # by module name, so the children can unpickle the functions
     from benchmarks import sft
 
-    sides = peer.run_sides("dpo", cfg, PRELOAD, sft.export, ("model", "adapter"), this.run_side)
+    sides = peer.run_sides("dpo", cfg, PRELOAD, sft.export, ("model", "adapter"), this.run_side, EXTRA_SIDES)
     timed = sum(step_tokens(s) for s in steps_of(cfg)[cfg["warmup"]:])
     doc = {
         "benchmark": "dpo",
@@ -395,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
             "memory_ratio": "ours peak_mem_mb / trl peak_mem_mb",
             "sft_step_ratio": "posttrain DPO step time / posttrain SFT step time on the same tokens (chosen and "
                               "rejected as SFT documents); median over reps",
+            "sft_step_ratio_precomputed": "the same with reference 'precomputed' (ours_precomputed: reference "
+                                          "log-probs computed once before the steps, untimed)",
             "loss_check": f"step 0 loss = log 2 on both sides (abs <= {FIRST_LOSS_ATOL}); step 0 grad norm rel diff "
                           f"<= {GRAD_NORM_RTOL}; step 1 (step 0's pairs after one update): loss < log 2 on both sides, "
                           f"(loss - log 2) rel diff <= {SECOND_LOSS_RTOL}, grad norm rel diff <= {GRAD_NORM_RTOL}",

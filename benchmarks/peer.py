@@ -50,21 +50,24 @@ def parse(name: str, description: str, full: dict[str, Any], quick: dict[str, An
 
 
 def run_sides(name: str, cfg: dict[str, Any], preload: list[str], export: Callable[..., dict],
-              export_dirs: tuple[str, ...], run_side: Callable[..., dict]) -> dict[str, Any]:
-    """Export the shared weights once (`export(cfg, *dirs)`), then every side of every
-    repetition in a fresh process forked from one forkserver (`run_side(side, cfg, dirs, work)`),
-    the sides' order alternating; returns the exported facts, the runs and the load."""
+              export_dirs: tuple[str, ...], run_side: Callable[..., dict],
+              extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Export the shared weights once (`export(cfg, *dirs)`), then every side (SIDES and
+    `extra`, more of posttrain's variants) of every repetition in a fresh process forked from
+    one forkserver (`run_side(side, cfg, dirs, work)`), the sides' order alternating; returns the
+    exported facts, the runs and the load."""
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(preload)
     load_start, t_start = os.getloadavg(), time.time()
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
+    sides = SIDES + tuple(extra)
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     with tempfile.TemporaryDirectory(prefix=f"bench_{name}_") as tmp:
         dirs = {k: str(Path(tmp) / k) for k in export_dirs}
         exported = _in_fresh_process(ctx, export, cfg, *dirs.values())
         for rep in range(cfg["reps"]):
-            for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
+            for side in sides if rep % 2 == 0 else sides[::-1]:
                 r = _in_fresh_process(ctx, run_side, side, cfg, dirs, str(Path(tmp) / f"trl-{rep}"))
                 runs[side].append(r)
                 print(f"[bench {name}] rep {rep} {side:8s} {r['tokens_per_s']:9.1f} tok/s "
@@ -87,9 +90,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]], warmup: int, real_tokens: i
               loss_check: Callable[[dict, dict], dict], targets: dict[str, tuple[str, float]]) -> dict[str, Any]:
     """Each side's median tokens/s and peak memory over the repetitions (and the first
     repetition's other records), TRL's padding, the ratios, `loss_check(ours, trl)` and the
-    targets. real_tokens: the timed steps' tokens without padding."""
+    targets. real_tokens: the timed steps' tokens without padding. A side beyond SIDES,
+    "ours_<variant>", gets its ratio to the SFT step too: ratios["sft_step_ratio_<variant>"]."""
     out: dict[str, Any] = {}
-    for side in SIDES:
+    for side in runs:
         rs = runs[side]
         out[side] = {
             **side_figures(rs),
@@ -104,6 +108,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]], warmup: int, real_tokens: i
         "process_rss_ratio": out["ours"]["process_peak_rss_mb"] / out["trl"]["process_peak_rss_mb"],
         "sft_step_ratio": _median(floor), "sft_step_ratio_reps": floor,
     }
+    for side in runs:
+        if side not in SIDES:
+            variant = [s["tokens_per_s"] / v["tokens_per_s"] for v, s in zip(runs[side], runs["ours_sft"])]
+            name = side.removeprefix("ours_")
+            out["ratios"][f"sft_step_ratio_{name}"], out["ratios"][f"sft_step_ratio_{name}_reps"] = _median(variant), variant
     out["loss_check"] = loss_check(out["ours"], out["trl"])
     out["targets"] = {name: {"target": f"{op} {value}", "value": out["ratios"][name],
                              "met": out["ratios"][name] >= value if op == ">=" else out["ratios"][name] <= value}

@@ -1,6 +1,7 @@
 """Weight sync latency (core.generation.weights): a trainer process publishing its weights to a
-generator process over gloo (CPU), full and LoRA-only, against the floor of a plain memcpy of the
-same bytes in one process.
+generator process on the same host, full and LoRA-only, over each transport (the shared-memory
+ring, "shm", and a gloo broadcast, "gloo"), against the floor of a plain memcpy of the same bytes in
+one process.
 
     python -m benchmarks.weight_sync [--models debug smollm2-135m qwen2.5-0.5b] [--reps 3]
                                      [--bucket-mb 64] [--out file.json]
@@ -9,11 +10,14 @@ same bytes in one process.
 Each model (a core.model preset, random weights, fp32, LoRA r16 alpha 32 on every linear layer
 but the head) runs in 2 processes under `torchrun --standalone --nproc-per-node 2`: rank 0 the
 trainer (one process: WeightPublisher), rank 1 the generator (WeightSubscriber on its own copy).
-Per mode (full: every weight; lora_only: the adapters), `reps` syncs after one warm-up; a sync's
+Per transport and mode (full: every weight; lora_only: the adapters), `reps` syncs after one
+warm-up; a sync's
 time is rank 0's from the header to the last bucket sent plus the generator's confirmation (a
 1-element all-reduce), median over the reps. floor_s: the median time of `dst.copy_(src)` of one
 buffer of the same bytes in the trainer process (what moving the bytes costs at memory
-bandwidth, with no transport); ratio_to_floor = sync / floor. lora_share = lora_only / full.
+bandwidth, with no transport; src is written first: an untouched buffer maps the zero page, and
+copying from it reads cache, not memory, which made the floor of the 2026-12-02 run 1.5x too low); ratio_to_floor = sync / floor. lora_share = lora_only / full.
+JSON: models.<name>.<shm|gloo>.<full|lora_only> and .lora_share.
 Run it alone on the machine: it times things.
 """
 
@@ -51,39 +55,51 @@ def worker(name: str, reps: int, bucket_mb: float, out: str) -> None:
     apply_lora(model, **LORA)
     group = sync_group(0, [1])
     result: dict = {"parameters": sum(p.numel() for p in model.parameters())}
-    for mode in ("full", "lora_only"):
-        lora = mode == "lora_only"
-        done = torch.zeros(1)
+    for transport, name_ in (("shm", "shm"), ("dist", "gloo")):
+        runs = result.setdefault(name_, {})
+        for mode in ("full", "lora_only"):
+            runs[mode] = _one(model, group, rank, mode == "lora_only", transport, reps, bucket_mb)
         if rank == 0:
-            pub = WeightPublisher(model, group, lora_only=lora, bucket_mb=bucket_mb)
-            times, sent = [], 0
-            for i in range(reps + 1):
-                t0 = time.perf_counter()
-                stats = pub.publish()
-                dist.all_reduce(done, group=group)  # the generator has applied it
-                if i:
-                    times.append(time.perf_counter() - t0)
-                sent = stats.bytes
-            pub.close()
-            src = torch.empty(sent // 4)
-            dst = torch.empty_like(src)
-            floors = []
-            for _ in range(reps + 1):
-                t0 = time.perf_counter()
-                dst.copy_(src)
-                floors.append(time.perf_counter() - t0)
-            sync, floor = statistics.median(times), statistics.median(floors[1:])
-            result[mode] = {"bytes": sent, "buckets": stats.buckets, "sync_s": sync, "floor_s": floor,
-                            "ratio_to_floor": sync / floor, "sync_gb_per_s": sent / sync / 1e9}
-        else:
-            sub = WeightSubscriber(model, group, source=0)
-            while sub.receive() is not None:
-                dist.all_reduce(done, group=group)
+            runs["lora_share"] = runs["lora_only"]["sync_s"] / runs["full"]["sync_s"]
     if rank == 0:
-        result["lora_share"] = result["lora_only"]["sync_s"] / result["full"]["sync_s"]
         Path(out).write_text(json.dumps(result))
     dist.barrier()  # no rank tears its group down while another still talks on it
     dist.destroy_process_group()
+
+
+def _one(model, group, rank: int, lora: bool, transport: str, reps: int, bucket_mb: float) -> dict | None:
+    """`reps` syncs (after one warm-up) of one mode over one transport; rank 0's figures."""
+    import torch
+    import torch.distributed as dist
+
+    from core.generation.weights import WeightPublisher, WeightSubscriber
+
+    done = torch.zeros(1)
+    if rank != 0:
+        sub = WeightSubscriber(model, group, source=0)
+        while sub.receive() is not None:
+            dist.all_reduce(done, group=group)
+        return None
+    pub = WeightPublisher(model, group, lora_only=lora, bucket_mb=bucket_mb, transport=transport)
+    times = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        stats = pub.publish()
+        dist.all_reduce(done, group=group)  # the generator has applied it
+        if i:
+            times.append(time.perf_counter() - t0)
+    pub.close()
+    assert stats.transport == transport, (stats.transport, transport)
+    src = torch.rand(stats.bytes // 4)  # written: an untouched buffer reads the zero page, at cache speed
+    dst = torch.empty_like(src)
+    floors = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        floors.append(time.perf_counter() - t0)
+    sync, floor = statistics.median(times), statistics.median(floors[1:])
+    return {"bytes": stats.bytes, "buckets": stats.buckets, "sync_s": sync, "floor_s": floor,
+            "ratio_to_floor": sync / floor, "sync_gb_per_s": stats.bytes / sync / 1e9}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, args.reps, args.bucket_mb, args.result)
         return 0
     doc: dict = {"command": "python -m benchmarks.weight_sync " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "transport": "gloo over loopback TCP, 2 processes (trainer, generator), CPU", "cpus": os.cpu_count(),
+                 "transports": {"shm": "shared-memory ring (2 slots in /dev/shm) with gloo for the signals",
+                                "gloo": "gloo broadcast over loopback TCP"},
+                 "processes": "2 (trainer, generator), CPU, 1 thread each", "cpus": os.cpu_count(),
                  "bucket_mb": args.bucket_mb, "lora": LORA, "models": {}}
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

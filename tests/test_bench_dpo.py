@@ -2,7 +2,7 @@
 side, one repetition) and prints the one JSON document it promises.
 
 Slow: a forkserver that imports torch, transformers, peft, trl and datasets, then four processes
-forked from it (the export and three measured sides), about half a minute on a loaded 2-core
+forked from it (the export and four measured sides), about half a minute on a loaded 2-core
 machine. Timings and memory are never compared with fixed figures; what must hold whatever the
 machine: both sides compute the same DPO losses and gradient norms (within the stated
 tolerances), throughputs are positive, and the reported ratios and data statistics follow from the
@@ -25,8 +25,8 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 from benchmarks.peer import SIDES  # noqa: E402
-from benchmarks.dpo import (FIRST_LOSS_ATOL, GRAD_NORM_RTOL, QUICK, SECOND_LOSS_RTOL, TARGETS,  # noqa: E402
-                            main, step_tokens, steps_of)
+from benchmarks.dpo import (EXTRA_SIDES, FIRST_LOSS_ATOL, GRAD_NORM_RTOL, QUICK, SECOND_LOSS_RTOL,  # noqa: E402
+                            TARGETS, main, step_tokens, steps_of)
 
 pytestmark = pytest.mark.slow
 LOG2 = math.log(2)
@@ -103,6 +103,12 @@ def test_same_dpo_computation_on_both_sides(doc):
     # rewards margin: 0 at step 0 on both sides (TRL's from its logs), equal after the update
     assert ours["margins"][0] == 0.0 and trl["margins"][0] == 0.0
     assert ours["margins"][1] == pytest.approx(trl["margins"][1], rel=1e-2)
+    # reference 'precomputed': the starting policy's log-probs, computed once, are what disabling
+    # the adapter gives live (the base): the same losses and gradients, step after step
+    pre = doc["ours_precomputed"]
+    assert pre["losses"] == pytest.approx(ours["losses"], rel=1e-5, abs=1e-7)
+    assert pre["grad_norms"] == pytest.approx(ours["grad_norms"], rel=1e-4)
+    assert pre["reference_precompute_s"] > 0
     # the SFT floor trained the same tokens with cross entropy: near log V at the start
     assert abs(doc["ours_sft"]["losses"][0] - math.log(doc["config"]["model"]["vocab_size"])) < 1.0
 
@@ -110,7 +116,7 @@ def test_same_dpo_computation_on_both_sides(doc):
 def test_throughput_memory_and_ratios_are_consistent(doc):
     cfg = doc["config"]
     timed_tokens = sum(doc["data"]["tokens_per_step"][cfg["warmup"]:])
-    for side in SIDES:
+    for side in SIDES + EXTRA_SIDES:
         s = doc[side]
         assert _positive(s["tokens_per_s"]), (side, s)
         assert len(s["tokens_per_s_reps"]) == len(s["peak_mem_mb_reps"]) == cfg["reps"]
@@ -126,6 +132,9 @@ def test_throughput_memory_and_ratios_are_consistent(doc):
     floor = [s / o for o, s in zip(doc["ours"]["tokens_per_s_reps"], doc["ours_sft"]["tokens_per_s_reps"])]
     assert r["speedup_reps"] == pytest.approx(speed) and r["sft_step_ratio_reps"] == pytest.approx(floor)
     assert r["speedup"] == pytest.approx(speed[0]) and r["sft_step_ratio"] == pytest.approx(floor[0])
+    pre = [s / p for p, s in zip(doc["ours_precomputed"]["tokens_per_s_reps"], doc["ours_sft"]["tokens_per_s_reps"])]
+    assert r["sft_step_ratio_precomputed_reps"] == pytest.approx(pre)
+    assert r["sft_step_ratio_precomputed"] == pytest.approx(pre[0])
     if doc["trl"]["peak_mem_mb"] > 0:
         assert r["memory_ratio"] == pytest.approx(doc["ours"]["peak_mem_mb"] / doc["trl"]["peak_mem_mb"])
     for name, (op, value) in TARGETS.items():

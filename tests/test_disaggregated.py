@@ -79,7 +79,8 @@ def test_workers_sample_what_the_trainer_would_and_survive_kills():
     remote = Disaggregated(model, WorkerSpec(functools.partial(build, 7), threads=1), lead=True, workers=2,
                            timeout_s=60)
     try:
-        assert remote.sync(3).bytes > 0
+        stats = remote.sync(3)
+        assert stats.bytes > 0 and stats.transport == "shm"  # workers on this host: the shared-memory ring
         want = reference(model)
         ids = remote.submit([Request(PROMPTS[:2], PARAMS, 2), Request(PROMPTS[2:], PARAMS, 2)])
         results = remote.collect(ids)

@@ -6,6 +6,8 @@ sends; versions advance; a mismatched model is refused by name; the staleness po
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from tests.parallel._dist import model_args, reference_model, run_ranks
 LORA = dict(rank=4, alpha=8.0, targets="all-linear")
 
 
-def _fsdp_trainer_to_generator(lora: bool) -> dict:
+def _fsdp_trainer_to_generator(lora: bool, transport: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -38,20 +40,22 @@ def _fsdp_trainer_to_generator(lora: bool) -> dict:
         ids = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(rank))
         model(ids).float().logsumexp(-1).mean().backward()
         opt.step()
-        pub = WeightPublisher(model, group, lora_only=lora, bucket_mb=0.004)  # several buckets
+        pub = WeightPublisher(model, group, lora_only=lora, bucket_mb=0.004, transport=transport)  # several buckets
         stats = [pub.publish(), pub.publish()]
         pub.close()
+        ring_removed = pub.ring is None or not any(os.path.exists(p) for p in pub.ring.paths)
         whole = {k: v for k, v in (full_state_dict(model) or {}).items()}  # after: rank 0 only
         dist.barrier(group=dist.new_group([0, 1]))
         if rank == 0:
-            out = {"stats": [(s.version, s.bytes, s.buckets) for s in stats], "state": _numpy(whole),
+            out = {"stats": [(s.version, s.bytes, s.buckets, s.transport) for s in stats], "state": _numpy(whole),
+                   "ring_removed": ring_removed,
                    "tokens": [g.tokens for g in generate(_plain(model, whole, args, lora), [[3, 4, 5], [9]],
                                                          SamplingParams(max_new_tokens=6, temperature=0))]}
     else:  # generator: the starting model (an old copy), brought up to date by the syncs
         dist.new_group([0, 1])
         sub = WeightSubscriber(model, group, source=0)
         versions = [sub.receive(), sub.receive(), sub.receive()]
-        out = {"versions": versions, "state": _numpy(model.state_dict()),
+        out = {"versions": versions, "state": _numpy(model.state_dict()), "transport": sub.transport,
                "tokens": [g.tokens for g in generate(model, [[3, 4, 5], [9]],
                                                      SamplingParams(max_new_tokens=6, temperature=0))]}
     return out
@@ -70,12 +74,17 @@ def _plain(model, whole: dict, args, lora: bool):
     return plain
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora_only"])
-def test_fsdp_trainer_syncs_a_generator_exactly(lora):
-    trainer, _, generator = run_ranks(_fsdp_trainer_to_generator, 3, lora)
+@pytest.mark.parametrize("lora,transport", [(False, "auto"), (True, "auto"), (False, "dist")],
+                         ids=["full-shm", "lora_only-shm", "full-gloo"])
+def test_fsdp_trainer_syncs_a_generator_exactly(lora, transport):
+    """"auto" on one host takes the shared-memory ring (2 slots, more buckets than slots: slots are
+    reused, each only after the generator acknowledged it); "dist" broadcasts over gloo."""
+    trainer, _, generator = run_ranks(_fsdp_trainer_to_generator, 3, lora, transport)
     assert generator["versions"] == [1, 2, None]
-    (v1, bytes1, buckets), (v2, bytes2, _) = trainer["stats"]
-    assert (v1, v2) == (1, 2) and bytes1 == bytes2 > 0 and buckets > 1
+    (v1, bytes1, buckets, t1), (v2, bytes2, _, _) = trainer["stats"]
+    assert (v1, v2) == (1, 2) and bytes1 == bytes2 > 0 and buckets > 2
+    want_transport = "shm" if transport == "auto" else "dist"
+    assert t1 == generator["transport"] == want_transport and trainer["ring_removed"]
     want, got = trainer["state"], generator["state"]
     assert want.keys() == got.keys()
     assert [k for k in want if not (want[k] == got[k]).all()] == []
@@ -107,14 +116,15 @@ def _trainer_to_tp_generator() -> dict:
         WeightPublisher(model, group).publish(7)
         return {"tokens": [g.tokens for g in generate(model, prompts, params)]}
     apply_plan(model, transformer_tp_plan(args, sequence_parallel=False), tp)  # each rank its slices
-    version = WeightSubscriber(model, group, source=0).receive()
-    return {"version": version, "tokens": [g.tokens for g in generate(model, prompts, params)]}
+    sub = WeightSubscriber(model, group, source=0)
+    version = sub.receive()
+    return {"version": version, "transport": sub.transport, "tokens": [g.tokens for g in generate(model, prompts, params)]}
 
 
 def test_a_tensor_parallel_generator_keeps_its_slices():
     trainer, *generators = run_ranks(_trainer_to_tp_generator, 3)
-    for g in generators:
-        assert g["version"] == 7 and g["tokens"] == trainer["tokens"]
+    for g in generators:  # both read their slices out of the same shared-memory slots
+        assert g["version"] == 7 and g["transport"] == "shm" and g["tokens"] == trainer["tokens"]
 
 
 def _mismatch() -> str:
@@ -137,6 +147,29 @@ def _mismatch() -> str:
 def test_a_generator_of_another_shape_is_refused_by_name():
     _, message = run_ranks(_mismatch, 2)
     assert message.startswith("weight sync: the trainer sends layers.0.mlp.gate_proj.weight (") and "96" in message
+
+
+def _shm_refused() -> str:
+    import torch.distributed as dist
+
+    import core.generation.weights as weights
+
+    dist.init_process_group("gloo")
+    group = weights.sync_group(0, [1])
+    if dist.get_rank() == 0:
+        try:
+            weights.WeightPublisher(reference_model(model_args("debug")), group, transport="shm")
+        except ValueError as e:
+            return str(e)
+        return "no error"
+    weights._open_slots = lambda offer: None  # a generator on another host: the slots' files are not there
+    assert weights.WeightSubscriber(reference_model(model_args("debug")), group).transport == "dist"
+    return ""
+
+
+def test_shm_transport_refuses_a_generator_that_cannot_open_the_slots():
+    message, _ = run_ranks(_shm_refused, 2)
+    assert message.startswith("weight sync transport='shm': a generator of this group cannot open the shared-memory")
 
 
 def test_staleness_policy():
@@ -166,8 +199,11 @@ def test_the_benchmark_reports_both_modes_against_the_floor(tmp_path):
                            "1", "--out", str(out)], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    m = json.loads(out.read_text())["models"]["debug"]
-    assert m["lora_only"]["bytes"] < m["full"]["bytes"] and m["full"]["bytes"] >= 4 * m["parameters"] * 0.99
-    for mode in ("full", "lora_only"):
-        assert m[mode]["sync_s"] > 0 and m[mode]["floor_s"] > 0
-        assert m[mode]["ratio_to_floor"] == m[mode]["sync_s"] / m[mode]["floor_s"]
+    model = json.loads(out.read_text())["models"]["debug"]
+    for transport in ("shm", "gloo"):
+        m = model[transport]
+        assert m["lora_only"]["bytes"] < m["full"]["bytes"] and m["full"]["bytes"] >= 4 * model["parameters"] * 0.99
+        for mode in ("full", "lora_only"):
+            assert m[mode]["sync_s"] > 0 and m[mode]["floor_s"] > 0
+            assert m[mode]["ratio_to_floor"] == m[mode]["sync_s"] / m[mode]["floor_s"]
+        assert m["lora_share"] == m["lora_only"]["sync_s"] / m["full"]["sync_s"]
