@@ -98,6 +98,20 @@ def save_adapter(model, path: str | Path, name: str = "default", base_model: str
 def load_adapter(model, path: str | Path, name: str = "default") -> list[str]:
     """Add the PEFT LoRA adapter at `path` to `model` as adapter `name`; returns wrapped modules."""
     _check_name(name)
+    cfg, state, targets, experts = read_adapter(model, path)
+    apply_lora(model, adapter_name=name, rank=cfg["r"], alpha=cfg["lora_alpha"],
+               dropout=cfg.get("lora_dropout", 0.0), use_rslora=cfg.get("use_rslora", False),
+               use_dora=cfg.get("use_dora", False), experts=bool(experts),
+               targets=[f"re:^{re.escape(t)}$" for t in targets] or ["re:^$"])
+    load_adapter_state_dict(model, state, name)
+    return targets + sorted(experts)
+
+
+def read_adapter(model, path: str | Path) -> tuple[dict, dict[str, torch.Tensor], list[str], dict]:
+    """The PEFT LoRA adapter at `path`, read for `model` without changing it: (adapter_config.json,
+    the tensors under this project's module names, the targeted linear modules, the expert
+    modules). load_adapter_state_dict puts the tensors into an adapter the model already has (e.g.
+    a QLoRA policy from stages.common.load_quantized)."""
     path = Path(path)
     cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
     for f in (cfg_file, weights):
@@ -133,12 +147,7 @@ def load_adapter(model, path: str | Path, name: str = "default") -> list[str]:
         E = model.args.moe.num_experts
         for module, tensors in experts.items():
             state.update({f"{module}.lora.{k}": v for k, v in _expert_params(tensors, E).items()})
-    apply_lora(model, adapter_name=name, rank=cfg["r"], alpha=cfg["lora_alpha"],
-               dropout=cfg.get("lora_dropout", 0.0), use_rslora=cfg.get("use_rslora", False),
-               use_dora=cfg.get("use_dora", False), experts=bool(experts),
-               targets=[f"re:^{re.escape(t)}$" for t in targets] or ["re:^$"])
-    load_adapter_state_dict(model, state, name)
-    return targets + sorted(experts)
+    return cfg, state, targets, experts
 
 
 def _split_peft_key(key: str, where: Path) -> tuple[str, str]:

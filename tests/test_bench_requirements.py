@@ -84,3 +84,10 @@ def test_bench_distill_names_missing_trl(tmp_path):
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr and "not installed: trl" in proc.stderr, proc.stderr
     assert "pip install 'posttrain[bench]'" in proc.stderr, proc.stderr
+
+
+def test_bench_qlora_names_missing_bitsandbytes(tmp_path):
+    proc = _run(tmp_path, ["bitsandbytes"], ["-m", "flows.cli", "bench", "qlora", "--quick"])
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "not installed: bitsandbytes" in proc.stderr, proc.stderr
+    assert "pip install 'posttrain[bench]'" in proc.stderr, proc.stderr
