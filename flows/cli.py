@@ -138,7 +138,7 @@ def cmd_bench(args) -> int:
                "weight_sync": "benchmarks.weight_sync", "generate": "benchmarks.generate", "online": "benchmarks.online",
                "serve": "benchmarks.serve", "optimizers": "benchmarks.optimizers", "precision": "benchmarks.precision",
                "qat": "benchmarks.qat", "gpu": "benchmarks.gpu", "dpo": "benchmarks.dpo",
-               "distill": "benchmarks.distill", "qlora": "benchmarks.qlora",
+               "distill": "benchmarks.distill", "qlora": "benchmarks.qlora", "profile": "benchmarks.profile",
                "multi_adapter": "benchmarks.adapters"}  # (multi_adapter: the adapters benchmark's other name)
     # `all` is what runs on this machine; the GPU script is run on its own, on a GPU (benchmarks/gpu.py)
     which = [w for w in modules if w not in ("gpu", "multi_adapter")] if args.what == "all" else [args.what]
@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks (JSON on stdout)")
     p.add_argument("what", choices=["sft", "kernels", "adapters", "weight_sync", "generate", "online", "serve",
                                     "optimizers", "precision", "qat", "gpu", "dpo", "distill", "qlora",
-                                    "multi_adapter", "all"])
+                                    "multi_adapter", "profile", "all"])
     p.add_argument("extra", nargs=argparse.REMAINDER, help="passed to the benchmark script")
     p.set_defaults(func=cmd_bench)
 
