@@ -215,6 +215,35 @@ def test_logprobs_match_a_full_forward(llama):
             assert torch.allclose(torch.tensor(list(tops.values())), values, atol=1e-4)
 
 
+def test_inverse_cdf_draws_kept_tokens_only():
+    """The token where the cumulative probability passes u * total; never a filtered-out (zero)
+    token, also when u * total reaches the total (u = 1 here), where the last kept token is drawn."""
+    from core.generation.sampling import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    assert inverse_cdf(probs, torch.tensor([0.0, 0.0, 0.0])).tolist() == [1, 0, 2]
+    assert inverse_cdf(probs, torch.tensor([0.49, 0.5, 0.99])).tolist() == [1, 2, 2]
+    assert inverse_cdf(probs, torch.tensor([0.5, 0.79, 0.5])).tolist() == [3, 3, 2]
+    assert inverse_cdf(probs, torch.tensor([1.0, 1.0, 1.0])).tolist() == [3, 4, 2]  # past the end: last kept
+
+
+def test_paged_gather_reads_each_sequences_blocks():
+    """PagedKVCache.gather: row s holds sequence s's tokens in its blocks' order (any block ids,
+    repeated ones too: forked samples share their prompt's blocks)."""
+    from core.generation.paged import PagedKVCache
+
+    cache = PagedKVCache(num_layers=2, num_blocks=5, kv_heads=2, block_size=3, head_dim=4, device="cpu",
+                         dtype=torch.float32)
+    cache.k.copy_(torch.randn_like(cache.k))
+    cache.v.copy_(torch.randn_like(cache.v))
+    tables = torch.tensor([[4, 0], [2, 4], [1, 1]])
+    k, v = cache.gather(1, tables)
+    assert k.shape == v.shape == (3, 2, 6, 4)
+    for s, blocks in enumerate(tables.tolist()):
+        slots = [b * 3 + o for b in blocks for o in range(3)]
+        assert torch.equal(k[s], cache.k[1, slots].transpose(0, 1)) and torch.equal(v[s], cache.v[1, slots].transpose(0, 1))
+
+
 def test_block_manager_refcounts_and_cow():
     bm = BlockManager(num_blocks=6, block_size=4)
     t = BlockTable()

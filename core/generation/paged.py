@@ -53,9 +53,13 @@ class PagedKVCache:
     def gather(self, i: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's keys/values of sequences' blocks: block_tables (S, n) -> (S, kv_heads, n * block_size,
         head_dim) each (a strided view of one gathered copy), slot j of row s being token j of sequence s."""
-        S = block_tables.shape[0]
-        slots = (block_tables[:, :, None] * self.block_size + self._offsets).reshape(S, -1)  # (S, n * bs)
-        return self.k[i][slots].transpose(1, 2), self.v[i][slots].transpose(1, 2)
+        S, n = block_tables.shape
+        ids = block_tables.reshape(-1)
+        bs, rest = self.block_size, self.k.shape[2:]
+        # whole blocks by index_select (a memcpy per block), not token by token (aten::index)
+        k = self.k[i].view(-1, bs, *rest).index_select(0, ids).view(S, n * bs, *rest)
+        v = self.v[i].view(-1, bs, *rest).index_select(0, ids).view(S, n * bs, *rest)
+        return k.transpose(1, 2), v.transpose(1, 2)
 
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size

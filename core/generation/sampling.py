@@ -97,25 +97,41 @@ def sample_rows(logits: torch.Tensor, picks: list) -> list[int]:
     CDF from one uniform of its own generator, so a sample depends only on its seed and logits."""
     if not picks:
         return []
-    out = logits.argmax(-1).tolist()  # one host transfer for every row's greedy token
-    tokens = [out[r] for _, r in picks]
+    tokens = [0] * len(picks)
+    greedy: list[int] = []
     groups: dict[tuple, list[int]] = {}
     for i, (seq, _) in enumerate(picks):
         p = seq.request.params
         if p.temperature > 0:
             groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
+        else:
+            greedy.append(i)
+    if greedy:  # one argmax and one host transfer for the greedy rows
+        rows = torch.tensor([picks[i][1] for i in greedy], device=logits.device)
+        for i, t in zip(greedy, logits[rows].argmax(-1).tolist()):
+            tokens[i] = t
     for (temperature, top_k, top_p, min_p), members in groups.items():
         rows = torch.tensor([picks[i][1] for i in members], device=logits.device)
         probs = filter_logits(logits[rows], temperature, top_k, top_p).softmax(-1)
         if min_p > 0:
             probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
-        cdf = probs.cumsum(-1)
         u = torch.stack([torch.rand((), generator=picks[i][0].generator, device=logits.device) for i in members])
-        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)  # cdf > u: a kept token
-        drawn = torch.minimum(drawn, (probs > 0).long().cumsum(-1).argmax(-1))  # never past the last kept token
-        for i, t in zip(members, drawn.tolist()):
+        for i, t in zip(members, inverse_cdf(probs, u).tolist()):
             tokens[i] = t
     return tokens
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of probs (R, V), the first token whose cumulative probability passes u (R,) in
+    [0, 1) times the row's total. That is a kept token: a zero-probability token adds nothing to
+    the sum, so it is never the first to pass. Where u * total rounds up to the total, the row
+    takes its last kept token."""
+    cdf = probs.cumsum(-1)
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    over = drawn >= probs.shape[-1]
+    if bool(over.any()):
+        drawn[over] = probs.shape[-1] - 1 - (probs[over] > 0).flip(-1).int().argmax(-1)
+    return drawn
 
 
 def token_logprobs(logp: torch.Tensor, token: int, top: int) -> tuple[float, dict[int, float]]:
