@@ -19,7 +19,11 @@ Cases
                     the prompts repeated k times, transformers with num_return_sequences=k.
 Per side: tokens_per_s = generated tokens / wall seconds (after one warm-up run of the case),
 added_mb = ru_maxrss growth of the child process that runs it, after it loaded the model;
-speedup = engine tokens/s over the other side's. Run it alone on the machine: it times things.
+speedup = engine tokens/s over the other side's. floor: the model's own forwards that any sampler
+runs for the case (`_floor`: every prompt once, then one batched one-token forward per new token,
+no cache), timed the same way; engine_share_of_floor = engine tokens/s / floor tokens/s. No
+sampler on this machine and precision can beat the floor by much: it is those forwards' matmuls.
+Run it alone on the machine: it times things.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 from benchmarks import emit
 
 ROOT = Path(__file__).resolve().parents[1]
+SIDES = ("engine", "static", "transformers", "floor")
 
 
 def _rss_mb() -> float:
@@ -64,6 +69,8 @@ def _run(side: str, models: dict, prompts: list[list[int]], new: int, n: int, gr
     ours, hf = models["ours"], models["hf"]
     temp = 0.0 if greedy else 1.0
     t0 = time.perf_counter()
+    if side == "floor":
+        return _floor(ours, prompts, new, n)
     if side == "engine":
         rows = len(prompts) * n
         longest = max(len(p) for p in prompts) + new
@@ -86,6 +93,31 @@ def _run(side: str, models: dict, prompts: list[list[int]], new: int, n: int, gr
                               do_sample=not greedy, num_return_sequences=n, pad_token_id=0, eos_token_id=None)
             tokens = out[:, width:].tolist()
     return tokens, time.perf_counter() - t0
+
+
+def _floor(model, prompts, new: int, n: int) -> tuple[list, float]:
+    """The model's own forwards that any sampler must run, timed: every prompt once, packed in one
+    row as documents (positions restart per prompt, so attention stays within each; the head
+    skipped, as a sampler only needs the last token's logits) and `new` forwards of one token for
+    each of the len(prompts) * n rows (no cache: attention over one key). What a sampler adds to these
+    (attention over the context, the cache, scheduling, sampling) is what it can cut; the matmuls
+    in these forwards it cannot, at this precision."""
+    import torch
+
+    rows = len(prompts) * n
+    head = model.lm_head
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.lm_head = torch.nn.Identity()
+        try:
+            model(torch.tensor([sum(prompts, [])]), torch.tensor([[i for p in prompts for i in range(len(p))]]))
+        finally:
+            model.lm_head = head
+        step = torch.zeros(rows, 1, dtype=torch.long)
+        for _ in range(new):
+            model(step)
+        seconds = time.perf_counter() - t0
+    return [[0] * new for _ in range(rows)], seconds
 
 
 def _child(side, path, prompts, new, n, greedy, q):
@@ -139,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--samples", nargs="+", type=int, default=[4, 8])
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES,
+                   help="which sides to run (speedups and shares only where both sides ran)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     doc: dict = {"command": "python -m benchmarks.generate " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -154,15 +188,21 @@ def main(argv: list[str] | None = None) -> int:
             plan = [(f"greedy_b{b}", _prompts(vocab, b, b), 1, True) for b in args.batches]
             plan += [(f"sampled_b16_n{k}", _prompts(vocab, 16, 100 + k), k, False) for k in args.samples]
             for case, prompts, n, greedy in plan:
-                sides = {side: measure(side, path, prompts, args.new_tokens, n, greedy)
-                         for side in ("engine", "static", "transformers")}
+                sides = {side: measure(side, path, prompts, args.new_tokens, n, greedy) for side in args.sides}
                 entry = {}
                 for side, r in sides.items():
                     entry[side] = {k: v for k, v in r.items() if not k.startswith("_")}
+                if "engine" not in sides:
+                    cases[case] = entry
+                    continue
+                if "floor" in sides:
+                    entry["engine_share_of_floor"] = round(sides["engine"]["tokens_per_s"] /
+                                                           sides["floor"]["tokens_per_s"], 3)
                 for other in ("static", "transformers"):
-                    entry[f"speedup_vs_{other}"] = round(sides["engine"]["tokens_per_s"] /
-                                                         sides[other]["tokens_per_s"], 3)
-                if greedy:
+                    if other in sides:
+                        entry[f"speedup_vs_{other}"] = round(sides["engine"]["tokens_per_s"] /
+                                                             sides[other]["tokens_per_s"], 3)
+                if greedy and {"static", "engine", "transformers"} <= set(sides):
                     ref = sides["static"]["_tokens"]
                     entry["tokens_equal"] = {s: sides[s]["_tokens"] == ref for s in ("engine", "transformers")}
                 cases[case] = entry

@@ -1,5 +1,5 @@
 """benchmarks.generate at its smallest (the debug preset, batches 1 and 3, n = 2, 4 new tokens):
-the JSON it promises, and greedy tokens equal on the three sides (the engine, the static sampler,
+the JSON it promises (with the floor of the model's own forwards), and greedy tokens equal on the three sides (the engine, the static sampler,
 transformers). The figures themselves are never compared."""
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ def test_generate_benchmark_reports_three_sides(tmp_path):
     cases = json.loads(out.read_text())["models"]["debug"]["cases"]
     assert set(cases) == {"greedy_b1", "greedy_b3", "sampled_b16_n2"}
     for name, case in cases.items():
-        for side in ("engine", "static", "transformers"):
+        for side in ("engine", "static", "transformers", "floor"):
             rows = 16 * 2 if name.startswith("sampled") else int(name[len("greedy_b"):])
             assert case[side]["generated"] == rows * 4 and case[side]["tokens_per_s"] > 0
+        assert case["engine_share_of_floor"] == round(case["engine"]["tokens_per_s"] / case["floor"]["tokens_per_s"], 3)
         assert case["speedup_vs_static"] == round(case["engine"]["tokens_per_s"] / case["static"]["tokens_per_s"], 3)
         if name.startswith("greedy"):
             assert case["tokens_equal"] == {"engine": True, "transformers": True}
