@@ -24,8 +24,10 @@ def rel(a: float, b: float) -> float:
 
 
 def parse(name: str, description: str, full: dict[str, Any], quick: dict[str, Any],
-          argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, Any] | None]:
-    """The shared flags; (args, cfg), cfg None when a peer library is missing (already said)."""
+          argv: list[str] | None, required: tuple[str, ...] = REQUIRED,
+          against: str = "TRL + peft") -> tuple[argparse.Namespace, dict[str, Any] | None]:
+    """The shared flags; (args, cfg), cfg None when a peer library of `required` is missing
+    (already said, naming `against`, what the benchmark compares with)."""
     p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (for the tests)")
     p.add_argument("--steps", type=int, help="timed steps per side and repetition (after the warmup)")
@@ -41,9 +43,9 @@ def parse(name: str, description: str, full: dict[str, Any], quick: dict[str, An
     # warmup give the second step the loss checks compare
     if cfg["steps"] < 1 or cfg["reps"] < 1 or cfg["warmup"] < 1:
         p.error("--steps, --reps and --warmup must be >= 1")
-    missing = missing_packages(REQUIRED)
+    missing = missing_packages(required)
     if missing:
-        print(f"benchmarks.{name} compares against TRL + peft; not installed: {', '.join(missing)}. "
+        print(f"benchmarks.{name} compares against {against}; not installed: {', '.join(missing)}. "
               f"Install them with: {INSTALL_HINT}", file=sys.stderr)
         return a, None
     return a, cfg

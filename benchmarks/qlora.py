@@ -45,7 +45,6 @@ loss check.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -53,31 +52,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import emit
-from benchmarks.sft import (LORA, OPTIM, SEED, _in_fresh_process, _maxrss_mb, _median, _rss_mb, missing_packages,
+from benchmarks import emit, peer
+from benchmarks.sft import FULL as SFT_FULL
+from benchmarks.sft import QUICK as SFT_QUICK
+from benchmarks.sft import (LORA, OPTIM, SEED, _in_fresh_process, _maxrss_mb, _median, _rss_mb,
                             pad_batch, side_figures, steps_of, targets_of)
 
 SIDES = ("ours", "bnb", "peft_lora")
 REQUIRED = ("transformers", "peft", "bitsandbytes")
-INSTALL_HINT = "pip install 'posttrain[bench]'"
 LOSS_RTOL = 1e-4  # the same NF4 values, fp32 compute; padded sdpa vs packed attention sum in other orders
 TARGETS = {"memory_ratio": ("<=", 0.5)}
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "peft.tuners.lora",
            "bitsandbytes", "safetensors.torch", "core.model.model", "core.lora", "core.quant", "core.trainer",
            "core.objectives", "core.data.packing", "registry.hf", "registry.adapters", "stages.common"]
 
-FULL: dict[str, Any] = dict(
-    model=dict(vocab_size=16384, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
-               intermediate_size=2048, max_position_embeddings=2048, norm_eps=1e-5, family="llama"),
-    dense_len=512, mean_len=200, min_len=16, max_len=1024,
-    token_budget=4096, seqs_per_micro=4, docs_per_step=8, warmup=1, steps=2, reps=2,
-)
-QUICK: dict[str, Any] = dict(
-    model=dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-               intermediate_size=128, max_position_embeddings=256, norm_eps=1e-5, family="llama"),
-    dense_len=64, mean_len=40, min_len=8, max_len=96,
-    token_budget=512, seqs_per_micro=2, docs_per_step=4, warmup=1, steps=1, reps=1,
-)
+# benchmarks.sft's shapes, a larger model (the base's storage beside the activations), fewer
+# documents a step
+FULL: dict[str, Any] = {**SFT_FULL, "seqs_per_micro": 4, "docs_per_step": 8, "reps": 2, "model": dict(
+    SFT_FULL["model"], vocab_size=16384, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048)}
+# (every linear layer's input a multiple of 64, the NF4 block, as in real models: where a row is
+# not, the two formats cut blocks differently and the 4-bit sides start apart)
+QUICK: dict[str, Any] = {**SFT_QUICK, "token_budget": 512, "seqs_per_micro": 2, "docs_per_step": 4, "steps": 1,
+                         "max_len": 96, "model": dict(SFT_QUICK["model"], intermediate_size=128)}
 
 
 def export(cfg: dict[str, Any], model_dir: str, adapter_dir: str) -> dict[str, Any]:
@@ -207,23 +203,9 @@ def _peft(cfg, model_dir, adapter_dir, four_bit: bool):
 def main(argv: list[str] | None = None) -> int:
     import multiprocessing as mp
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.qlora", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, few steps (for the tests)")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--warmup", type=int)
-    p.add_argument("--reps", type=int)
-    p.add_argument("--out", help="also write the JSON document here")
-    a = p.parse_args(argv)
-    cfg = dict(QUICK if a.quick else FULL)
-    for key in ("steps", "warmup", "reps"):
-        if getattr(a, key) is not None:
-            cfg[key] = getattr(a, key)
-    if cfg["steps"] < 1 or cfg["reps"] < 1 or cfg["warmup"] < 1:
-        p.error("--steps, --reps and --warmup must be >= 1")
-    missing = missing_packages(REQUIRED)
-    if missing:
-        print(f"benchmarks.qlora compares against transformers + peft + bitsandbytes; not installed: "
-              f"{', '.join(missing)}. Install them with: {INSTALL_HINT}", file=sys.stderr)
+    a, cfg = peer.parse("qlora", __doc__.split("\n\n")[0], FULL, QUICK, argv, REQUIRED,
+                        "transformers + peft + bitsandbytes")
+    if cfg is None:
         return 2
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
