@@ -215,6 +215,22 @@ def test_logprobs_match_a_full_forward(llama):
             assert torch.allclose(torch.tensor(list(tops.values())), values, atol=1e-4)
 
 
+def test_decoding_sequences_of_short_and_long_contexts_attend_in_two_groups(model):
+    """Twelve prompts of 2 to 60 tokens decode in two attention groups (short and long contexts
+    apart, each padded to its own longest), and give core.generate's greedy tokens."""
+    from core.generation.runner import _split_by_context
+
+    lengths = [2, 60, 3, 55, 4, 58, 2, 5, 61, 3, 57, 6]
+    groups = _split_by_context(list(range(12)), [n + 1 for n in lengths], 4)
+    assert sorted(sum(groups, [])) == list(range(12)) and len(groups) == 2
+    assert max(lengths[i] for i in groups[0]) < min(lengths[i] for i in groups[1])
+    assert _split_by_context(list(range(12)), [40] * 12, 4) == [list(range(12))]  # nothing to gain: one group
+    prompts = prompts_of(lengths, seed=3)
+    engine = Engine(model, max_num_seqs=12, block_size=4, num_blocks=256)
+    assert tokens(engine.generate(prompts, GREEDY)) == reference(model, prompts)
+    assert_pool_empty(engine)
+
+
 def test_inverse_cdf_draws_kept_tokens_only():
     """The token where the cumulative probability passes u * total; never a filtered-out (zero)
     token, also when u * total reaches the total (u = 1 here), where the last kept token is drawn."""

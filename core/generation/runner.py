@@ -97,7 +97,8 @@ class ForwardBatch:
             if wants_logits:
                 rows.append(len(ids) - 1)
         groups = []
-        for members in ([s for s, e in enumerate(seqs) if len(e[0]) == 1],
+        decoding = [s for s, e in enumerate(seqs) if len(e[0]) == 1]
+        for members in (*_split_by_context(decoding, [seqs[s][1] + 1 for s in decoding], block_size),
                         [s for s, e in enumerate(seqs) if len(e[0]) > 1]):
             if not members:
                 continue
@@ -114,6 +115,23 @@ class ForwardBatch:
             groups.append(AttentionGroup(tensor(tok), tensor(seq_index), tensor(q_index), q_lens, ctx_lens,
                                          tensor(tables)))
         return cls(tensor(ids), tensor(pos), tensor(slots), groups, tensor(rows))
+
+
+def _split_by_context(members: list[int], ctx_lens: list[int], block_size: int) -> list[list[int]]:
+    """The decoding sequences in one attention group, or two when that gathers at least a quarter
+    fewer key blocks: a group's keys are padded to its longest context, so short and long
+    contexts apart pad less (the sequences sorted by context, cut where sum over groups of
+    size x longest blocks is least)."""
+    if len(members) < 8:
+        return [members]
+    blocks = [-(-c // block_size) for c in ctx_lens]
+    order = sorted(range(len(members)), key=blocks.__getitem__)
+    b = [blocks[i] for i in order]
+    n = len(b)
+    cost, cut = min((k * b[k - 1] + (n - k) * b[-1], k) for k in range(1, n))
+    if cost > 0.75 * n * b[-1]:
+        return [members]
+    return [[members[i] for i in order[:cut]], [members[i] for i in order[cut:]]]
 
 
 def attention_mask(q_lens: list[int], ctx_lens: list[int], max_ctx: int, window: int | None,
