@@ -55,8 +55,8 @@ from typing import Any
 from benchmarks import emit, peer
 from benchmarks.sft import FULL as SFT_FULL
 from benchmarks.sft import QUICK as SFT_QUICK
-from benchmarks.sft import (LORA, OPTIM, SEED, _in_fresh_process, _maxrss_mb, _median, _rss_mb,
-                            pad_batch, side_figures, steps_of, targets_of)
+from benchmarks.sft import (LORA, OPTIM, SEED, _in_fresh_process, _maxrss_mb, _median, _rss_mb, export,
+                            pad_batch, peft_with_adapter, side_figures, steps_of, targets_of)
 
 SIDES = ("ours", "bnb", "peft_lora")
 REQUIRED = ("transformers", "peft", "bitsandbytes")
@@ -74,12 +74,6 @@ FULL: dict[str, Any] = {**SFT_FULL, "seqs_per_micro": 4, "docs_per_step": 8, "re
 # not, the two formats cut blocks differently and the 4-bit sides start apart)
 QUICK: dict[str, Any] = {**SFT_QUICK, "token_budget": 512, "seqs_per_micro": 2, "docs_per_step": 4, "steps": 1,
                          "max_len": 96, "model": dict(SFT_QUICK["model"], intermediate_size=128)}
-
-
-def export(cfg: dict[str, Any], model_dir: str, adapter_dir: str) -> dict[str, Any]:
-    from benchmarks.sft import export as sft_export
-
-    return sft_export(cfg, model_dir, adapter_dir)
 
 
 def run_side(side: str, cfg: dict[str, Any], model_dir: str, adapter_dir: str) -> dict[str, Any]:
@@ -158,8 +152,6 @@ def _peft(cfg, model_dir, adapter_dir, four_bit: bool):
     import warnings
 
     import torch
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     from transformers.utils import logging as hf_logging
 
@@ -173,14 +165,7 @@ def _peft(cfg, model_dir, adapter_dir, four_bit: bool):
                   device_map="cpu")
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
     base_bytes = _held_bytes(model)
-    model = get_peft_model(model, LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
-                                             target_modules="all-linear"))
-    loaded = set_peft_model_state_dict(model, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
-    missing = [k for k in loaded.missing_keys if "lora_" in k]
-    if loaded.unexpected_keys or missing:
-        raise RuntimeError(f"adapter did not load into peft: unexpected {loaded.unexpected_keys[:3]}, "
-                           f"missing {missing[:3]}")
-    model.train()
+    model = peft_with_adapter(model, adapter_dir)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=OPTIM["lr"],
                             betas=OPTIM["betas"], eps=OPTIM["eps"], weight_decay=OPTIM["weight_decay"])
 

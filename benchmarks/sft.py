@@ -240,22 +240,13 @@ def _baseline(cfg, model_dir, adapter_dir):
     import warnings
 
     import torch
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # stderr stays readable; stdout is the JSON alone
     warnings.filterwarnings("ignore", category=FutureWarning)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
-                                             target_modules="all-linear"))
-    loaded = set_peft_model_state_dict(model, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
-    missing = [k for k in loaded.missing_keys if "lora_" in k]
-    if loaded.unexpected_keys or missing:
-        raise RuntimeError(f"adapter did not load into peft: unexpected {loaded.unexpected_keys[:3]}, "
-                           f"missing {missing[:3]}")
-    model.train()
+    model = peft_with_adapter(model, adapter_dir)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=OPTIM["lr"],
                             betas=OPTIM["betas"], eps=OPTIM["eps"], weight_decay=OPTIM["weight_decay"])
     micro_batches: list[int] = []
@@ -279,6 +270,22 @@ def _baseline(cfg, model_dir, adapter_dir):
         return loss_sum / n_step
 
     return step, {"micro_batches_per_step": micro_batches, "padded_tokens_per_step": padded}
+
+
+def peft_with_adapter(model, adapter_dir: str):
+    """`model` wrapped by peft's LoRA (LORA's settings, every linear layer) holding the exported
+    adapter's A/B, in train mode; refuses an adapter that did not load whole."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    model = get_peft_model(model, LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+                                             target_modules="all-linear"))
+    loaded = set_peft_model_state_dict(model, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
+    missing = [k for k in loaded.missing_keys if "lora_" in k]
+    if loaded.unexpected_keys or missing:
+        raise RuntimeError(f"adapter did not load into peft: unexpected {loaded.unexpected_keys[:3]}, "
+                           f"missing {missing[:3]}")
+    return model.train()
 
 
 # ------------------------------------------------------------------------------------- driver
