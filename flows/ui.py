@@ -37,10 +37,12 @@ def port_in_use(host: str, port: int) -> bool:
 
 def start_servers(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port: int = 5000,
                   backend_store: str | None = None, artifacts: str = "mlartifacts",
-                  timeout: float = 120.0) -> list[tuple[str, subprocess.Popen, str]]:
+                  timeout: float = 120.0, procs: list | None = None) -> list[tuple[str, subprocess.Popen, str]]:
     """Start both servers (each in its own process group) and wait until they answer. A port
     already taken is an error before anything starts (else the health check would be answered by
-    whatever holds it, and runs would go to someone else's server)."""
+    whatever holds it, and runs would go to someone else's server). Each server goes into `procs`
+    the moment it is spawned, so a caller holding that list can stop whatever was started even if
+    a signal lands between here and its own `try`."""
     for what, port, flag in (("Prefect", prefect_port, "--prefect-port"), ("MLflow", mlflow_port, "--mlflow-port")):
         if port_in_use(host, port):
             raise RuntimeError(f"{host}:{port} (for the {what} server) is already in use, perhaps by another "
@@ -48,17 +50,16 @@ def start_servers(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port
     bindir = Path(sys.executable).parent
     backend_store = backend_store or f"sqlite:///{Path('mlflow.db').resolve()}"
     env = {**os.environ, "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(prefect_port)}
-    procs = [
-        ("prefect", subprocess.Popen([str(bindir / "prefect"), "server", "start", "--host", host, "--port",
-                                      str(prefect_port)], env=env, start_new_session=True),
-         f"http://{host}:{prefect_port}/api/health"),
-        ("mlflow", subprocess.Popen([str(bindir / "mlflow"), "server", "--host", host, "--port", str(mlflow_port),
-                                     "--backend-store-uri", backend_store, "--artifacts-destination",
-                                     str(Path(artifacts).resolve()), "--workers", "1"],
-                                    start_new_session=True),
-         f"http://{host}:{mlflow_port}/health"),
-    ]
+    procs = [] if procs is None else procs
     try:
+        procs.append(("prefect", subprocess.Popen([str(bindir / "prefect"), "server", "start", "--host", host,
+                                                   "--port", str(prefect_port)], env=env, start_new_session=True),
+                      f"http://{host}:{prefect_port}/api/health"))
+        procs.append(("mlflow", subprocess.Popen([str(bindir / "mlflow"), "server", "--host", host, "--port",
+                                                  str(mlflow_port), "--backend-store-uri", backend_store,
+                                                  "--artifacts-destination", str(Path(artifacts).resolve()),
+                                                  "--workers", "1"], start_new_session=True),
+                      f"http://{host}:{mlflow_port}/health"))
         for name, proc, health in procs:
             if not _wait_http(health, proc, timeout):
                 raise RuntimeError(f"{name} server did not come up at {health}")
@@ -117,13 +118,14 @@ def run_ui(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port: int =
 
 
 def _serve(host: str, prefect_port: int, mlflow_port: int, backend_store: str | None) -> int:
-    procs = start_servers(host, prefect_port, mlflow_port, backend_store)
-    print(f"Prefect UI:  http://{host}:{prefect_port}")
-    print(f"MLflow UI:   http://{host}:{mlflow_port}")
-    print(f"Point runs at them:  export PREFECT_API_URL=http://{host}:{prefect_port}/api "
-          f"MLFLOW_TRACKING_URI=http://{host}:{mlflow_port}")
-    print("Ctrl-C (or SIGTERM, SIGHUP) stops both.", flush=True)
-    try:
+    procs: list = []
+    try:  # from before the first spawn: a signal during the prints below must still stop both
+        start_servers(host, prefect_port, mlflow_port, backend_store, procs=procs)
+        print(f"Prefect UI:  http://{host}:{prefect_port}")
+        print(f"MLflow UI:   http://{host}:{mlflow_port}")
+        print(f"Point runs at them:  export PREFECT_API_URL=http://{host}:{prefect_port}/api "
+              f"MLFLOW_TRACKING_URI=http://{host}:{mlflow_port}")
+        print("Ctrl-C (or SIGTERM, SIGHUP) stops both.", flush=True)
         while all(p.poll() is None for _, p, _ in procs):
             time.sleep(1)
         return 1  # one died on its own

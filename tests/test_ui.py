@@ -66,13 +66,42 @@ def test_sighup_takes_the_same_way_out_as_ctrl_c(monkeypatch):
         def poll(self):
             return None  # running until stopped
 
-    monkeypatch.setattr(ui, "start_servers", lambda *a, **k: [("prefect", Proc(), ""), ("mlflow", Proc(), "")])
+    monkeypatch.setattr(ui, "start_servers", lambda *a, procs, **k: procs.extend([("prefect", Proc(), ""),
+                                                                                  ("mlflow", Proc(), "")]))
     monkeypatch.setattr(ui, "stop_servers", lambda procs: stopped.append([name for name, _, _ in procs]))
     before = signal.getsignal(signal.SIGHUP)
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGHUP)).start()
     assert ui.run_ui(prefect_port=1, mlflow_port=2) == 0
     assert stopped == [["prefect", "mlflow"]]
     assert signal.getsignal(signal.SIGHUP) is before  # handlers put back
+
+
+def test_a_signal_while_the_urls_are_printed_still_stops_both(monkeypatch):
+    """The race CI hit: SIGTERM sent the moment the last line is read lands before `print` returns;
+    the servers were already running, so they must be stopped, not orphaned."""
+    import builtins
+
+    import flows.ui as ui
+
+    stopped = []
+
+    class Proc:
+        pid = os.getpid()
+
+        def poll(self):
+            return None
+
+    def print_then_signal(*args, **kwargs):
+        builtins.print(*args, **kwargs)
+        if "stops both" in str(args[0]):
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs as this call returns
+
+    monkeypatch.setattr(ui, "start_servers", lambda *a, procs, **k: procs.extend([("prefect", Proc(), ""),
+                                                                                  ("mlflow", Proc(), "")]))
+    monkeypatch.setattr(ui, "stop_servers", lambda procs: stopped.append([name for name, _, _ in procs]))
+    monkeypatch.setattr(ui, "print", print_then_signal, raising=False)
+    assert ui.run_ui(prefect_port=1, mlflow_port=2) == 0
+    assert stopped == [["prefect", "mlflow"]]
 
 
 def test_a_port_in_use_is_an_error_before_anything_starts(tmp_path):
