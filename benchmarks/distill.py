@@ -67,6 +67,18 @@ step repeats the first timed step's documents (for the second-step check, `steps
   lmbda 0 TRL still draws random.random() <= 0 each micro-batch (true with probability ~2^-53).
   ours_sft  ours, but sft_objective (cross entropy on the completion tokens) on the same documents
             and micro-batches, no teacher loaded: the floor of a distillation step.
+  ours_on_policy, trl_on_policy  on-policy distillation (GKD's lmbda 1): each micro-batch's
+            completions are replaced by the student's own, at most `max_new_tokens`, ending at EOS,
+            then distilled on as above. ours: core.generation.engine.engine_generate inside
+            stages.training.sampling, as stages.distill's on_policy mode (sampler 'engine') does;
+            trl: GKDTrainer(lmbda=1, max_new_tokens), which samples with model.generate (KV cache)
+            on the peft model. Both greedy (TRL: do_sample at temperature 1e-6, top_k 0: the
+            argmax), so they train on the same tokens (checked: a digest of each step's samples).
+            TRL normalizes the samples' summed KL by the dataset's completion tokens (counted by
+            the transformers Trainer before sampling), posttrain by the sampled ones; the check
+            undoes that (`on_policy_check`). TRL recommends its DistillationTrainer for lmbda 1 at
+            T 1 (vLLM generation, chunked loss); without vLLM (none on CPU) it samples with
+            model.generate too.
 
 Measures
   tokens_per_s   prompt + completion tokens (no padding) of the timed steps (after `warmup`) / their
@@ -77,6 +89,8 @@ Measures
   peak_mem_mb    each side and rep in a fresh process forked from one forkserver that imported
                  torch, transformers, peft, trl, datasets and posttrain: ru_maxrss minus the RSS at
                  its start; max over reps. memory_ratio = ours / trl.
+  speedup_on_policy, memory_ratio_on_policy  the same for the on-policy pair; tokens_per_s there
+                 counts the prompt and sampled tokens trained on (each side's own count; equal).
   sft_step_ratio posttrain's distillation step time / its SFT step time on the same tokens (median
                  over reps); a distillation step adds a no-grad teacher forward to the student's
                  forward + backward (and a KL head over the vocabulary for the CE head), so
@@ -101,7 +115,7 @@ from typing import Any
 from benchmarks import emit, peer
 from benchmarks.dpo import _text, _tokenizer
 from benchmarks.sft import FULL as SFT_FULL
-from benchmarks.sft import LORA, QUICK as SFT_QUICK, _maxrss_mb, _rss_mb
+from benchmarks.sft import LORA, QUICK as SFT_QUICK, _maxrss_mb, _median, _rss_mb
 
 SEED, TEACHER_SEED = 0, 1  # the student's (and data's), the teacher's weights
 EOS = 0  # every completion ends with it; also the pad id
@@ -128,10 +142,14 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 FULL: dict[str, Any] = dict(
     model=SFT_FULL["model"], prompt_mean=64, completion_mean=160, min_len=8, prompt_max=256, completion_max=768,
-    docs_per_micro=4, micro_per_step=4, warmup=1, steps=3, reps=3)
+    docs_per_micro=4, micro_per_step=4, warmup=1, steps=3, reps=3, max_new_tokens=128)
 QUICK: dict[str, Any] = dict(
     model=SFT_QUICK["model"], prompt_mean=12, completion_mean=28, min_len=4, prompt_max=48, completion_max=96,
-    docs_per_micro=2, micro_per_step=2, warmup=1, steps=2, reps=1)
+    docs_per_micro=2, micro_per_step=2, warmup=1, steps=2, reps=1, max_new_tokens=10)
+# On-policy (lmbda 1): every micro-batch's completions are the student's, greedy on both sides (TRL:
+# do_sample at this temperature, top_k 0: the argmax), so both train on the same tokens.
+ON_POLICY_SIDES = ("ours_on_policy", "trl_on_policy")
+TRL_GREEDY_TEMPERATURE = 1e-6
 
 Doc = tuple[list[int], list[int]]  # prompt, completion token ids
 
@@ -207,14 +225,17 @@ def run_side(side: str, cfg: dict[str, Any], dirs: dict[str, str], work: str) ->
     start_rss = _rss_mb()
     torch.manual_seed(SEED)
     steps = steps_of(cfg)
+    new_tokens = cfg["max_new_tokens"] if side in ON_POLICY_SIDES else 0
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON document alone
-        records, info = _trl(cfg, dirs, steps, work) if side == "trl" else \
-            _posttrain(dirs, steps, sft=side == "ours_sft")
+        records, info = _trl(cfg, dirs, steps, work, new_tokens) if side.startswith("trl") else \
+            _posttrain(dirs, steps, sft=side == "ours_sft", new_tokens=new_tokens)
     peak = _maxrss_mb()
     timed = slice(cfg["warmup"], None)
     seconds = [r["s"] for r in records]
+    tokens = [r.get("tokens", step_tokens(s)) for r, s in zip(records, steps)]  # on-policy: what was sampled
     return {
-        "tokens_per_s": sum(step_tokens(s) for s in steps[timed]) / sum(seconds[timed]),
+        "tokens_per_s": sum(tokens[timed]) / sum(seconds[timed]),
+        "tokens_per_step": tokens,
         "step_s": seconds[timed],
         "losses": [r["loss"] for r in records],
         "grad_norms": [r["grad_norm"] for r in records],
@@ -226,8 +247,17 @@ def run_side(side: str, cfg: dict[str, Any], dirs: dict[str, str], work: str) ->
     }
 
 
-def _posttrain(dirs: dict[str, str], steps, sft: bool):
+def _posttrain(dirs: dict[str, str], steps, sft: bool, new_tokens: int = 0):
+    """new_tokens > 0: on-policy, each micro-batch's completions sampled from the student first
+    (greedy, at most new_tokens, stopping at EOS) by the generation engine, as stages.distill's
+    on_policy mode with sampler 'engine' does, then distilled on."""
+    import torch
+
     from core.data.encode import Document
+    from core.generation.engine import engine_generate
+    from core.model.generate import SamplingParams
+    from stages.config import ParallelConfig
+    from stages.training import sampling
     from core.data.packing import collate_padding_free
     from core.objectives import distill_objective, sft_objective
     from core.optim import OptimConfig
@@ -244,19 +274,44 @@ def _posttrain(dirs: dict[str, str], steps, sft: bool):
     else:  # frozen as stages.recipe.parallelize_frozen leaves it on one process
         teacher = load_pretrained(dirs["teacher"]).requires_grad_(False).eval()
         objective = distill_objective(teacher, DIVERGENCE, TEMPERATURE, JSD_BETA, CE_WEIGHT)
-    built = [[[Document(p + c, labels_of((p, c))) for p, c in micro] for micro in step] for step in steps]
-    records, targets = [], []
-    for step in built:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=(EOS,))
+
+    def documents(micro: list[Doc]) -> list:
+        if not new_tokens:
+            return [Document(p + c, labels_of((p, c))) for p, c in micro]
+        prompts = [p for p, _ in micro]
+        with torch.no_grad(), sampling(model, ParallelConfig()):
+            gens = engine_generate(model, prompts, params)
+        model.train()
+        samples.append([g.tokens for g in gens])
+        return [Document(p + g.tokens, labels_of((p, g.tokens))) for p, g in zip(prompts, gens)]
+
+    records, targets, samples = [], [], []
+    for step in steps:
         t0 = time.perf_counter()
+        tokens = 0
         for micro in step:
-            trainer.forward_backward(collate_padding_free(micro), objective)
+            docs = documents(micro)
+            tokens += sum(len(d.input_ids) for d in docs)
+            trainer.forward_backward(collate_padding_free(docs), objective)
         m = trainer.optim_step()
-        records.append({"s": time.perf_counter() - t0, "loss": m["loss"], "grad_norm": m["grad_norm"]})
+        records.append({"s": time.perf_counter() - t0, "loss": m["loss"], "grad_norm": m["grad_norm"], "tokens": tokens})
         targets.append(int(m["tokens"]))
-    return records, {"target_tokens_per_step": targets}
+    info = {"target_tokens_per_step": targets}
+    if new_tokens:
+        info["samples_digest"] = _digests(samples, len(steps[0]))
+    return records, info
 
 
-def _trl(cfg, dirs: dict[str, str], steps, work):
+def _digests(samples: list[list[list[int]]], micro_per_step: int) -> list[str]:
+    """Per step, a fingerprint of its micro-batches' sampled completions, in order."""
+    import hashlib
+
+    return [hashlib.sha256(repr(samples[i:i + micro_per_step]).encode()).hexdigest()[:16]
+            for i in range(0, len(samples), micro_per_step)]
+
+
+def _trl(cfg, dirs: dict[str, str], steps, work, new_tokens: int = 0):
     import warnings
 
     import datasets
@@ -281,13 +336,16 @@ def _trl(cfg, dirs: dict[str, str], steps, work):
         return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
 
     model, teacher = load(dirs["model"]), load(dirs["teacher"])
+    model.generation_config.eos_token_id = EOS  # as a real checkpoint names it: TRL stops its samples there
     args = GKDConfig(
         output_dir=work, seed=SEED, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
         per_device_train_batch_size=cfg["docs_per_micro"], gradient_accumulation_steps=cfg["micro_per_step"],
         max_steps=len(steps), num_train_epochs=1, train_sampling_strategy="sequential",
         optim="adamw_torch", learning_rate=OPTIM["lr"], adam_beta1=OPTIM["betas"][0], adam_beta2=OPTIM["betas"][1],
         adam_epsilon=OPTIM["eps"], weight_decay=OPTIM["weight_decay"], lr_scheduler_type="constant", warmup_steps=0,
-        max_grad_norm=0.0, lmbda=TRL_LMBDA, beta=TRL_BETA, temperature=TEMPERATURE, seq_kd=False,
+        max_grad_norm=0.0, beta=TRL_BETA, seq_kd=False,
+        **(dict(lmbda=1.0, temperature=TRL_GREEDY_TEMPERATURE, max_new_tokens=new_tokens) if new_tokens else
+           dict(lmbda=TRL_LMBDA, temperature=TEMPERATURE)),
         max_length=cfg["model"]["max_position_embeddings"], logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, dataloader_num_workers=0, dataloader_pin_memory=False)
     begin, end, logged = [], [], []  # perf_counter at each step's begin and end; TRL's logs
@@ -303,9 +361,19 @@ def _trl(cfg, dirs: dict[str, str], steps, work):
             if logs and "loss" in logs:
                 logged.append(dict(logs))
 
+    samples, sampled_tokens = [], []  # on-policy: each micro-batch's completions (to EOS) and real tokens
+
+    class Recording(GKDTrainer):
+        @staticmethod
+        def generate_on_policy_outputs(model, inputs, generation_config):
+            ids, mask, labels = GKDTrainer.generate_on_policy_outputs(model, inputs, generation_config)
+            samples.append([row[row != -100].tolist() for row in labels])
+            sampled_tokens.append(int(mask.sum()))
+            return ids, mask, labels
+
     lora = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
                       target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, train_dataset=data, processing_class=tok,
+    trainer = Recording(model=model, teacher_model=teacher, args=args, train_dataset=data, processing_class=tok,
                          peft_config=lora, callbacks=[Clock()])
     trainer.remove_callback(PrinterCallback)
     adapter = load_file(str(Path(dirs["adapter"]) / "adapter_model.safetensors"))
@@ -336,7 +404,15 @@ def _trl(cfg, dirs: dict[str, str], steps, work):
     # what the collator pads: each micro-batch's rows to its longest document
     padded = [sum(len(m) * max(len(p) + len(c) for p, c in m) for m in step) for step in steps]
     timed = slice(cfg["warmup"], None)
-    return records, {"step_compute_s": [e - b for b, e in zip(begin, end)][timed], "padded_tokens_per_step": padded}
+    info = {"step_compute_s": [e - b for b, e in zip(begin, end)][timed], "padded_tokens_per_step": padded}
+    if new_tokens:
+        k = cfg["micro_per_step"]
+        if len(samples) != k * len(steps):
+            raise RuntimeError(f"TRL sampled {len(samples)} micro-batches, expected {k * len(steps)} (lmbda 1)")
+        for i, r in enumerate(records):
+            r["tokens"] = sum(sampled_tokens[i * k:(i + 1) * k])
+        info["samples_digest"] = _digests(samples, k)
+    return records, info
 
 
 # ------------------------------------------------------------------------------------- driver
@@ -382,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     if tuple(DistillConfig.model_fields[k].default for k in ("divergence", "temperature", "ce_weight")) != \
             (DIVERGENCE, TEMPERATURE, CE_WEIGHT):  # the stage's defaults are what is benchmarked
         raise RuntimeError("DistillConfig's defaults moved: update the benchmark's divergence settings")
-    sides = peer.run_sides("distill", cfg, PRELOAD, this.export, ("model", "adapter", "teacher"), this.run_side)
+    sides = peer.run_sides("distill", cfg, PRELOAD, this.export, ("model", "adapter", "teacher"), this.run_side,
+                           extra=ON_POLICY_SIDES)
     timed = sum(step_tokens(s) for s in steps_of(cfg)[cfg["warmup"]:])
     doc = {
         "benchmark": "distill",
@@ -415,7 +492,37 @@ def main(argv: list[str] | None = None) -> int:
         "data": data_stats(cfg),
         **peer.summarize(sides["runs"], cfg["warmup"], timed, loss_check, TARGETS),
     }
+    doc["ratios"].update(on_policy_ratios(sides["runs"]))
+    doc["on_policy_check"] = on_policy_check(doc["ours_on_policy"], doc["trl_on_policy"],
+                                             doc["data"]["target_tokens_per_step"])
     return emit(doc, a.out)
+
+
+def on_policy_ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    ours, trl = runs["ours_on_policy"], runs["trl_on_policy"]
+    speed = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(ours, trl)]
+    return {"speedup_on_policy": _median(speed), "speedup_on_policy_reps": speed,
+            "memory_ratio_on_policy": max(r["peak_mem_mb"] for r in ours) / max(r["peak_mem_mb"] for r in trl)}
+
+
+def on_policy_check(ours: dict[str, Any], trl: dict[str, Any], data_targets: list[int]) -> dict[str, Any]:
+    """Step 0: the same student samples the same greedy completions on both sides (equal digests),
+    so the losses and gradient norms agree as offline, once TRL's normalization is undone: GKD
+    divides the samples' summed KL by num_items_in_batch, which the transformers Trainer counts
+    from the dataset's labels before sampling (the data's completion tokens, `data_targets`), not
+    by the sampled completion tokens posttrain divides by. Later steps may part where two logits
+    of a sample nearly tie (the weights differ by fp32 rounding after an update): reported only."""
+    same = [a == b for a, b in zip(ours["samples_digest"], trl["samples_digest"])]
+    scale = data_targets[0] / ours["target_tokens_per_step"][0]  # TRL's loss x this = the token mean
+    loss = peer.rel(ours["losses"][0], trl["losses"][0] * scale)
+    grad = peer.rel(ours["grad_norms"][0], trl["grad_norms"][0] * scale)
+    return {"same_samples_per_step": same, "trl_scale": scale,
+            "first_step_loss": {"ours": ours["losses"][0], "trl": trl["losses"][0], "trl_rescaled": trl["losses"][0] * scale,
+                                "rel_diff": loss, "tolerance": FIRST_LOSS_RTOL},
+            "first_step_grad_norm": {"ours": ours["grad_norms"][0], "trl": trl["grad_norms"][0],
+                                     "trl_rescaled": trl["grad_norms"][0] * scale, "rel_diff": grad,
+                                     "tolerance": GRAD_NORM_RTOL},
+            "met": same[0] and loss <= FIRST_LOSS_RTOL and grad <= GRAD_NORM_RTOL}
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], warmup: int, real_tokens: i
     """Each side's median tokens/s and peak memory over the repetitions (and the first
     repetition's other records), TRL's padding, the ratios, `loss_check(ours, trl)` and the
     targets. real_tokens: the timed steps' tokens without padding. A side beyond SIDES,
-    "ours_<variant>", gets its ratio to the SFT step too: ratios["sft_step_ratio_<variant>"]."""
+    "ours_<variant>", gets its ratio to the SFT step too: ratios["sft_step_ratio_<variant>"]; one
+    of the peer's (another name) only its figures."""
     out: dict[str, Any] = {}
     for side in runs:
         rs = runs[side]
@@ -111,7 +112,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], warmup: int, real_tokens: i
         "sft_step_ratio": _median(floor), "sft_step_ratio_reps": floor,
     }
     for side in runs:
-        if side not in SIDES:
+        if side not in SIDES and side.startswith("ours_"):
             variant = [s["tokens_per_s"] / v["tokens_per_s"] for v, s in zip(runs[side], runs["ours_sft"])]
             name = side.removeprefix("ours_")
             out["ratios"][f"sft_step_ratio_{name}"], out["ratios"][f"sft_step_ratio_{name}_reps"] = _median(variant), variant

@@ -2,7 +2,7 @@
 per side, one repetition) and prints the one JSON document it promises.
 
 Slow: a forkserver that imports torch, transformers, peft, trl and datasets, then four processes
-forked from it (the export and three measured sides). Timings and memory are never compared with
+forked from it (the export and five measured sides). Timings and memory are never compared with
 fixed figures; what must hold whatever the machine: both sides compute the same forward-KL
 losses and gradient norms at steps 0 and 1 (within the stated tolerances), normalized by the same
 target-token counts, throughputs are positive, and the ratios and data statistics follow from the
@@ -25,8 +25,8 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 from benchmarks.peer import SIDES  # noqa: E402
-from benchmarks.distill import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, QUICK, SECOND_LOSS_RTOL,  # noqa: E402
-                                TARGETS, main, step_targets, step_tokens, steps_of)
+from benchmarks.distill import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, ON_POLICY_SIDES, QUICK,  # noqa: E402
+                                SECOND_LOSS_RTOL, TARGETS, main, step_targets, step_tokens, steps_of)
 
 pytestmark = pytest.mark.slow
 
@@ -154,3 +154,34 @@ def test_data_follows_from_the_documents(doc):
     padded = doc["trl"]["padded_tokens_per_step"]  # TRL pads each micro-batch to its longest document
     assert all(p >= t for p, t in zip(padded, d["tokens_per_step"]))
     assert 0 < doc["trl"]["padding_fraction"] < 1
+
+
+def test_on_policy_sides_sample_the_same_completions_and_agree(doc):
+    """lmbda 1: both sides replace each micro-batch's completions by the student's greedy ones (ours
+    through the generation engine, TRL through model.generate), so step 0 trains on the same tokens
+    (equal digests) and, with TRL's normalization by the dataset's completion tokens undone, gives
+    the same loss and gradient norm. --quick's max_new_tokens is shorter than the data's
+    completions, so that normalization differs and the rescaling is exercised."""
+    cfg, data = doc["config"], doc["data"]
+    ours, trl, check = doc["ours_on_policy"], doc["trl_on_policy"], doc["on_policy_check"]
+    n_steps = cfg["warmup"] + cfg["steps"]
+    for side in ON_POLICY_SIDES:
+        assert len(doc[side]["losses"]) == len(doc[side]["samples_digest"]) == n_steps, side
+        assert len(doc[side]["tokens_per_step"]) == n_steps
+        assert doc[side]["tokens_per_s"] == pytest.approx(
+            sum(doc[side]["tokens_per_step"][cfg["warmup"]:]) / sum(doc[side]["step_s"]), rel=1e-9)
+    assert check["same_samples_per_step"][0] is True and ours["samples_digest"][0] == trl["samples_digest"][0]
+    assert ours["tokens_per_step"][0] == trl["tokens_per_step"][0]
+    sampled = ours["target_tokens_per_step"][0]  # each completion at most max_new_tokens long
+    assert 0 < sampled <= cfg["max_new_tokens"] * cfg["docs_per_micro"] * cfg["micro_per_step"]
+    assert check["trl_scale"] == pytest.approx(data["target_tokens_per_step"][0] / sampled) != 1.0
+    for key in ("first_step_loss", "first_step_grad_norm"):
+        c = check[key]
+        assert c["trl_rescaled"] == pytest.approx(c["trl"] * check["trl_scale"], rel=1e-12)
+        assert c["rel_diff"] == pytest.approx(_rel(c["ours"], c["trl_rescaled"]), rel=1e-9, abs=1e-15)
+        assert c["rel_diff"] <= c["tolerance"], (key, c)
+    assert check["first_step_loss"]["ours"] == ours["losses"][0] > 0 and check["met"] is True
+    r = doc["ratios"]
+    speed = [o / t for o, t in zip(ours["tokens_per_s_reps"], trl["tokens_per_s_reps"])]
+    assert r["speedup_on_policy_reps"] == pytest.approx(speed) and r["speedup_on_policy"] == pytest.approx(speed[0])
+    assert "sft_step_ratio_trl_on_policy" not in r and r["sft_step_ratio_on_policy"] > 0

@@ -20,10 +20,11 @@ generator): the source broadcasts a header (version, number of buckets); then pe
 trainer rank gathers the bucket's tensors (DTensor.full_tensor: one bucket at a time, so no rank
 holds more than its shards plus one bucket), the source packs them into one flat buffer and
 broadcasts it, and each generator copies its block of every tensor out of it (the whole tensor,
-or its tensor-parallel slice: core.parallel.materialize.local_part). The generator then carries the
+or its tensor-parallel slice: core.parallel.materialize.local_part) through views made once of
+the buffer (a staging buffer kept between syncs, or a ring slot). The generator then carries the
 version, which the engine tags its generations with; `Staleness` says what to do with a sample
-made by weights more than k versions old. A generator waiting longer than the group's timeout for
-a sync raises (torch.distributed's timeout), so no side waits forever.
+made by weights more than k versions old. A generator waiting longer than the group's timeout
+for a sync raises (torch.distributed's timeout), so no side waits forever.
 
 Transports. Over gloo the bytes cross loopback TCP, at well under memory bandwidth (0.65 GB/s
 measured on this project's 2-core CPU machine, 30-37x a memcpy). So on CPU, when a generator
@@ -42,6 +43,7 @@ groups (CUDA tensors) never use the ring.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import uuid
@@ -110,7 +112,7 @@ def _buckets(entries: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_byt
     buckets: list[list[int]] = []
     size, dtype = 0, None
     for i, (_, shape, dt) in enumerate(entries):
-        n = _numel(shape) * torch.empty((), dtype=dt).element_size()
+        n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
         if not buckets or dt != dtype or size + n > bucket_bytes:
             buckets.append([])
             size, dtype = 0, dt
@@ -119,15 +121,8 @@ def _buckets(entries: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_byt
     return buckets
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _bucket_bytes(entries, bucket: list[int]) -> int:
-    return sum(_numel(entries[i][1]) * torch.empty((), dtype=entries[i][2]).element_size() for i in bucket)
+    return sum(math.prod(entries[i][1]) * torch.empty((), dtype=entries[i][2]).element_size() for i in bucket)
 
 
 def _unlink(paths: list[str]) -> None:
@@ -177,11 +172,6 @@ def _open_slots(offer: dict | None) -> list[Tensor] | None:
         return [torch.from_file(p, shared=True, size=offer["slot_bytes"], dtype=torch.uint8) for p in offer["paths"]]
     except OSError:
         return None
-
-
-def _slot_view(slot: Tensor, nbytes: int, dtype: torch.dtype) -> Tensor:
-    """The start of `slot` seen as a bucket's flat buffer (its one dtype)."""
-    return slot[:nbytes].view(dtype)
 
 
 @dataclass
@@ -333,7 +323,7 @@ class WeightPublisher:
         if ring_groups:
             slot = k % SLOTS
             self._wait(slot)
-            view = _slot_view(self.ring.slots[slot], self.nbytes[k], parts[0].dtype)
+            view = self.ring.slots[slot][:self.nbytes[k]].view(parts[0].dtype)  # bucket k's flat buffer
             torch.cat(parts, out=view) if len(parts) > 1 else view.copy_(parts[0])
             notice = torch.tensor([self.version, len(self.buckets), k], dtype=torch.long)  # the header too
             for group, src in ring_groups:
@@ -419,10 +409,34 @@ class WeightSubscriber:
         self.entries = entries
         self.buckets = _buckets(entries, bucket_bytes)  # the publisher's cut
         self.nbytes = [_bucket_bytes(entries, b) for b in self.buckets]
-        self.sizes = [[_numel(entries[i][1]) for i in b] for b in self.buckets]
         self.named = _tensors(model, self.lora_only)  # looked up once (module doc: Tensors)
         self.head = None if self.lora_only else _head_copy(model)
+        self.staging: dict[torch.device, Tensor] = {}  # "dist": one buffer per device that buckets land in
+        self.plan = [self._plan(k, bucket) for k, bucket in enumerate(self.buckets)]
         self.version: int | None = None
+
+    def _plan(self, k: int, bucket: list[int]) -> tuple[Tensor, list, list, list]:
+        """Where bucket k lands (its ring slot, or the staging buffer it is broadcast into: both stay
+        put) and the views that copy it out, made once: (that buffer, plain destinations and their
+        sources for one foreach copy, (destination, whole) pairs copied block by block)."""
+        tensors = [t for _, t in self.named]
+        device = _local(tensors[bucket[0]]).device
+        if self.slots is None and device not in self.staging:
+            self.staging[device] = torch.empty(max(self.nbytes), dtype=torch.uint8, device=device)
+        buffer = self.slots[k % SLOTS] if self.slots is not None else self.staging[device]
+        flat = buffer[:self.nbytes[k]].view(self.entries[bucket[0]][2])
+        dsts, srcs, blocks = [], [], []
+        sizes = [math.prod(self.entries[i][1]) for i in bucket]
+        for i, part in zip(bucket, flat.split(sizes)):
+            whole, dst = part.view(self.entries[i][1]), tensors[i]
+            if isinstance(dst, DTensor) or dst.device != flat.device:
+                blocks.append((dst, whole))
+            else:
+                dsts.append(dst)
+                srcs.append(whole)
+            if self.head is not None and self.named[i][0] == "embed.weight":
+                blocks.append((self.head, whole))
+        return flat, dsts, srcs, blocks
 
     @torch.no_grad()
     def receive(self) -> int | None:
@@ -435,10 +449,7 @@ class WeightSubscriber:
             return None
         if count != len(self.buckets):
             raise ValueError(f"weight sync: the trainer sends {count} buckets, {len(self.buckets)} expected")
-        named, head = self.named, self.head
-        tensors = [t for _, t in named]
-        for k, bucket in enumerate(self.buckets):
-            dtype = self.entries[bucket[0]][2]
+        for k, (flat, dsts, srcs, blocks) in enumerate(self.plan):
             if self.slots is not None:  # the ring: wait for "version v, bucket k is in its slot"
                 notice = header
                 if k:
@@ -447,24 +458,12 @@ class WeightSubscriber:
                 if (int(notice[0]), int(notice[2])) != (version, k):
                     raise ValueError(f"weight sync: version {int(notice[0])} bucket {int(notice[2])} announced, "
                                      f"version {version} bucket {k} expected")
-                flat = _slot_view(self.slots[k % SLOTS], self.nbytes[k], dtype)
             else:
-                device = _local(tensors[bucket[0]]).device
-                flat = torch.empty(sum(self.sizes[k]), dtype=dtype, device=device)
                 dist.broadcast(flat, group=self.group, group_src=self.src)
-            dsts, srcs = [], []  # plain tensors on the buffer's device: one foreach copy
-            for i, part in zip(bucket, flat.split(self.sizes[k])):
-                whole = part.view(self.entries[i][1])
-                dst = tensors[i]
-                if isinstance(dst, DTensor) or dst.device != flat.device:
-                    _copy_block(dst, whole)
-                else:
-                    dsts.append(dst)
-                    srcs.append(whole)
-                if head is not None and named[i][0] == "embed.weight":
-                    _copy_block(head, whole)
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
+            for dst, whole in blocks:
+                _copy_block(dst, whole)
             if self.slots is not None:  # copied out: the source may write the slot again
                 dist.all_reduce(torch.zeros(1), group=self.group)
         self.version = version
