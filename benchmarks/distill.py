@@ -1,7 +1,7 @@
 """LoRA online distillation throughput and memory: posttrain's distillation step (a frozen teacher
-of the student's shape, forward KL) beside TRL's GKDTrainer (lmbda 0: no student samples) + peft,
-on the same weights, teacher, adapter, optimizer and documents, in one run; and how close the
-distillation step comes to its floor, an SFT step on the same tokens.
+of the student's shape, forward KL) beside TRL's GKDTrainer + peft, offline (lmbda 0) and
+on-policy (lmbda 1), on the same weights, teacher, adapter, optimizer and documents, in one run;
+and how close the distillation step comes to its floor, an SFT step on the same tokens.
 
     python -m benchmarks.distill [--quick] [--steps N] [--reps R] [--out file.json]
 
@@ -23,21 +23,17 @@ KL(teacher || student), the forward KL (beta = 1: the reverse KL), summed over t
 shifted label is not -100: those predicting a completion token (DataCollatorForChatML labels -100
 the prompt, i.e. the chat template rendered without the last assistant message, and the left
 padding). Normalization: the transformers Trainer counts the step's target tokens over all its
-micro-batches (labels[..., 1:] != -100) and passes them as num_items_in_batch when the model's
-forward accepts loss kwargs (Llama's does; checked); GKD then returns sum / num_items_in_batch (its
-'batchmean' only serves when no count is given) and the Trainer does not divide by the
-accumulation steps again: the mean over the step's completion tokens of the per-token forward KL.
-posttrain: stages.distill's online objective, core.objectives.distill_objective(teacher,
-divergence, temperature, jsd_beta, ce_weight), with DistillConfig's defaults forward_kl, T = 1
-(x T^2 = 1), ce_weight 0: the per-token forward KL summed over the positions predicting a target
-token (response_mask), and Trainer.optim_step divides by the step's target tokens. The same token
-mean: no batch shaping is needed, the ragged lognormal lengths stay.
+micro-batches (labels[..., 1:] != -100) as num_items_in_batch (the model's forward accepts loss
+kwargs: checked); GKD returns sum / num_items_in_batch, not divided by the accumulation steps
+again: the mean over the step's completion tokens. posttrain: distill_objective with
+DistillConfig's defaults (forward_kl, T = 1, ce_weight 0) sums over the positions predicting a
+target token, and Trainer.optim_step divides by the step's target tokens: the same mean.
 
 Data (fixed seed): `docs_per_micro` x `micro_per_step` SFT documents a step; prompt and completion
 lengths each ~ lognormal(sigma 1) of mean `prompt_mean` / `completion_mean`, clipped; random ids in
 [1, vocab), each completion ending with the EOS id 0; the completion tokens are the KD targets.
-Each step takes the same documents, in the same micro-batches, on both sides; the warmup's first
-step repeats the first timed step's documents (for the second-step check, `steps_of`).
+Each step takes the same documents and micro-batches on every side; the warmup step repeats the
+first timed one's (`steps_of`).
 
   ours      registry.hf.load_pretrained (student, + registry.adapters.load_adapter; teacher,
             requires_grad off, eval) and core.trainer.Trainer; per micro-batch Trainer.
@@ -67,18 +63,13 @@ step repeats the first timed step's documents (for the second-step check, `steps
   lmbda 0 TRL still draws random.random() <= 0 each micro-batch (true with probability ~2^-53).
   ours_sft  ours, but sft_objective (cross entropy on the completion tokens) on the same documents
             and micro-batches, no teacher loaded: the floor of a distillation step.
-  ours_on_policy, trl_on_policy  on-policy distillation (GKD's lmbda 1): each micro-batch's
-            completions are replaced by the student's own, at most `max_new_tokens`, ending at EOS,
-            then distilled on as above. ours: core.generation.engine.engine_generate inside
-            stages.training.sampling, as stages.distill's on_policy mode (sampler 'engine') does;
-            trl: GKDTrainer(lmbda=1, max_new_tokens), which samples with model.generate (KV cache)
-            on the peft model. Both greedy (TRL: do_sample at temperature 1e-6, top_k 0: the
-            argmax), so they train on the same tokens (checked: a digest of each step's samples).
-            TRL normalizes the samples' summed KL by the dataset's completion tokens (counted by
-            the transformers Trainer before sampling), posttrain by the sampled ones; the check
-            undoes that (`on_policy_check`). TRL recommends its DistillationTrainer for lmbda 1 at
-            T 1 (vLLM generation, chunked loss); without vLLM (none on CPU) it samples with
-            model.generate too.
+  ours_on_policy, trl_on_policy  GKD's lmbda 1: each micro-batch's completions replaced by the
+            student's own (at most `max_new_tokens`, to EOS), then distilled on. ours: engine_generate
+            in stages.training.sampling, as distill's on_policy mode (sampler 'engine'); trl:
+            GKDTrainer(lmbda=1), model.generate on the peft model. Both greedy (TRL: temperature 1e-6,
+            top_k 0), so both train on the same tokens (a digest per step). TRL divides the summed
+            KL by the dataset's completion tokens (counted by the Trainer before sampling), posttrain
+            by the sampled ones: `on_policy_check` undoes that.
 
 Measures
   tokens_per_s   prompt + completion tokens (no padding) of the timed steps (after `warmup`) / their
@@ -233,37 +224,27 @@ def run_side(side: str, cfg: dict[str, Any], dirs: dict[str, str], work: str) ->
     timed = slice(cfg["warmup"], None)
     seconds = [r["s"] for r in records]
     tokens = [r.get("tokens", step_tokens(s)) for r, s in zip(records, steps)]  # on-policy: what was sampled
-    return {
-        "tokens_per_s": sum(tokens[timed]) / sum(seconds[timed]),
-        "tokens_per_step": tokens,
-        "step_s": seconds[timed],
-        "losses": [r["loss"] for r in records],
-        "grad_norms": [r["grad_norm"] for r in records],
-        "peak_mem_mb": peak - start_rss,
-        "process_peak_rss_mb": peak,
-        "start_rss_mb": start_rss,
-        "threads": torch.get_num_threads(),
-        **info,
-    }
+    return {"tokens_per_s": sum(tokens[timed]) / sum(seconds[timed]), "tokens_per_step": tokens,
+            "step_s": seconds[timed], "losses": [r["loss"] for r in records],
+            "grad_norms": [r["grad_norm"] for r in records], "peak_mem_mb": peak - start_rss,
+            "process_peak_rss_mb": peak, "start_rss_mb": start_rss, "threads": torch.get_num_threads(), **info}
 
 
 def _posttrain(dirs: dict[str, str], steps, sft: bool, new_tokens: int = 0):
-    """new_tokens > 0: on-policy, each micro-batch's completions sampled from the student first
-    (greedy, at most new_tokens, stopping at EOS) by the generation engine, as stages.distill's
-    on_policy mode with sampler 'engine' does, then distilled on."""
+    """new_tokens > 0: on-policy (module doc: ours_on_policy)."""
     import torch
 
     from core.data.encode import Document
+    from core.data.packing import collate_padding_free
     from core.generation.engine import engine_generate
     from core.model.generate import SamplingParams
-    from stages.config import ParallelConfig
-    from stages.training import sampling
-    from core.data.packing import collate_padding_free
     from core.objectives import distill_objective, sft_objective
     from core.optim import OptimConfig
     from core.trainer import Trainer
     from registry.adapters import load_adapter
     from registry.hf import load_pretrained
+    from stages.config import ParallelConfig
+    from stages.training import sampling
 
     model = load_pretrained(dirs["model"])
     load_adapter(model, dirs["adapter"])
@@ -304,8 +285,7 @@ def _posttrain(dirs: dict[str, str], steps, sft: bool, new_tokens: int = 0):
 
 
 def _digests(samples: list[list[list[int]]], micro_per_step: int) -> list[str]:
-    """Per step, a fingerprint of its micro-batches' sampled completions, in order."""
-    import hashlib
+    import hashlib  # per step: a fingerprint of its micro-batches' sampled completions
 
     return [hashlib.sha256(repr(samples[i:i + micro_per_step]).encode()).hexdigest()[:16]
             for i in range(0, len(samples), micro_per_step)]
@@ -492,38 +472,29 @@ def main(argv: list[str] | None = None) -> int:
         "data": data_stats(cfg),
         **peer.summarize(sides["runs"], cfg["warmup"], timed, loss_check, TARGETS),
     }
-    doc["ratios"].update(on_policy_ratios(sides["runs"]))
+    ours, trl = sides["runs"]["ours_on_policy"], sides["runs"]["trl_on_policy"]
+    speed = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(ours, trl)]
+    doc["ratios"].update(speedup_on_policy=_median(speed), speedup_on_policy_reps=speed, memory_ratio_on_policy=(
+        max(r["peak_mem_mb"] for r in ours) / max(r["peak_mem_mb"] for r in trl)))
     doc["on_policy_check"] = on_policy_check(doc["ours_on_policy"], doc["trl_on_policy"],
                                              doc["data"]["target_tokens_per_step"])
     return emit(doc, a.out)
 
 
-def on_policy_ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    ours, trl = runs["ours_on_policy"], runs["trl_on_policy"]
-    speed = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(ours, trl)]
-    return {"speedup_on_policy": _median(speed), "speedup_on_policy_reps": speed,
-            "memory_ratio_on_policy": max(r["peak_mem_mb"] for r in ours) / max(r["peak_mem_mb"] for r in trl)}
-
-
 def on_policy_check(ours: dict[str, Any], trl: dict[str, Any], data_targets: list[int]) -> dict[str, Any]:
-    """Step 0: the same student samples the same greedy completions on both sides (equal digests),
-    so the losses and gradient norms agree as offline, once TRL's normalization is undone: GKD
-    divides the samples' summed KL by num_items_in_batch, which the transformers Trainer counts
-    from the dataset's labels before sampling (the data's completion tokens, `data_targets`), not
-    by the sampled completion tokens posttrain divides by. Later steps may part where two logits
-    of a sample nearly tie (the weights differ by fp32 rounding after an update): reported only."""
+    """Step 0 of the on-policy pair: equal samples, and TRL's loss and gradient norm times data /
+    sampled target tokens (its normalization undone: module doc) equal posttrain's. Later steps may
+    part where two logits of a sample nearly tie after an update: reported only."""
     same = [a == b for a, b in zip(ours["samples_digest"], trl["samples_digest"])]
-    scale = data_targets[0] / ours["target_tokens_per_step"][0]  # TRL's loss x this = the token mean
-    loss = peer.rel(ours["losses"][0], trl["losses"][0] * scale)
-    grad = peer.rel(ours["grad_norms"][0], trl["grad_norms"][0] * scale)
-    return {"same_samples_per_step": same, "trl_scale": scale,
-            "first_step_loss": {"ours": ours["losses"][0], "trl": trl["losses"][0], "trl_rescaled": trl["losses"][0] * scale,
-                                "rel_diff": loss, "tolerance": FIRST_LOSS_RTOL},
-            "first_step_grad_norm": {"ours": ours["grad_norms"][0], "trl": trl["grad_norms"][0],
-                                     "trl_rescaled": trl["grad_norms"][0] * scale, "rel_diff": grad,
-                                     "tolerance": GRAD_NORM_RTOL},
-            "met": same[0] and loss <= FIRST_LOSS_RTOL and grad <= GRAD_NORM_RTOL}
-
+    scale = data_targets[0] / ours["target_tokens_per_step"][0]
+    out: dict[str, Any] = {"same_samples_per_step": same, "trl_scale": scale}
+    for key, field, tol in (("first_step_loss", "losses", FIRST_LOSS_RTOL),
+                            ("first_step_grad_norm", "grad_norms", GRAD_NORM_RTOL)):
+        o, t = ours[field][0], trl[field][0]
+        out[key] = {"ours": o, "trl": t, "trl_rescaled": t * scale, "rel_diff": peer.rel(o, t * scale), "tolerance": tol}
+    out["met"] = same[0] and all(out[k]["rel_diff"] <= out[k]["tolerance"] for k in ("first_step_loss",
+                                                                                   "first_step_grad_norm"))
+    return out
 
 if __name__ == "__main__":
     sys.exit(main())
