@@ -64,8 +64,8 @@ first timed one's (`steps_of`).
   ours_sft  ours, but sft_objective (cross entropy on the completion tokens) on the same documents
             and micro-batches, no teacher loaded: the floor of a distillation step.
   ours_on_policy, trl_on_policy  GKD's lmbda 1: each micro-batch's completions replaced by the
-            student's own (at most `max_new_tokens`, to EOS), then distilled on. ours: engine_generate
-            in stages.training.sampling, as distill's on_policy mode (sampler 'engine'); trl:
+            student's own (at most `max_new_tokens`, to EOS), then distilled on. ours: one
+            engine_generate call for a step's prompts, as distill's on_policy mode (sampler 'engine'); trl:
             GKDTrainer(lmbda=1), model.generate on the peft model. Both greedy (TRL: temperature 1e-6,
             top_k 0), so both train on the same tokens (a digest per step). TRL divides the summed
             KL by the dataset's completion tokens (counted by the Trainer before sampling), posttrain
@@ -257,22 +257,22 @@ def _posttrain(dirs: dict[str, str], steps, sft: bool, new_tokens: int = 0):
         objective = distill_objective(teacher, DIVERGENCE, TEMPERATURE, JSD_BETA, CE_WEIGHT)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=(EOS,))
 
-    def documents(micro: list[Doc]) -> list:
+    def documents(step: list[list[Doc]]) -> list[list]:
         if not new_tokens:
-            return [Document(p + c, labels_of((p, c))) for p, c in micro]
-        prompts = [p for p, _ in micro]
+            return [[Document(p + c, labels_of((p, c))) for p, c in micro] for micro in step]
+        prompts = [p for micro in step for p, _ in micro]  # the step's, in one call (as stages.distill)
         with torch.no_grad(), sampling(model, ParallelConfig()):
-            gens = engine_generate(model, prompts, params)
+            gens = iter(engine_generate(model, prompts, params))
         model.train()
-        samples.append([g.tokens for g in gens])
-        return [Document(p + g.tokens, labels_of((p, g.tokens))) for p, g in zip(prompts, gens)]
+        out = [[(p, next(gens).tokens) for p, _ in micro] for micro in step]
+        samples.extend([c for _, c in micro] for micro in out)
+        return [[Document(p + c, labels_of((p, c))) for p, c in micro] for micro in out]
 
     records, targets, samples = [], [], []
     for step in steps:
         t0 = time.perf_counter()
         tokens = 0
-        for micro in step:
-            docs = documents(micro)
+        for docs in documents(step):
             tokens += sum(len(d.input_ids) for d in docs)
             trainer.forward_backward(collate_padding_free(docs), objective)
         m = trainer.optim_step()

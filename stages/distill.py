@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -91,23 +92,56 @@ class OnPolicyMix:
         self.generators, self.drawn = generators, 0
 
     def __iter__(self):
-        for batch in self.loader.loader:  # collated on CPU
-            self.drawn += 1
-            draw = random.Random(f"{self.cfg.seed}:{self.loader.state_dict()}")
-            if draw.random() < self.cfg.on_policy_ratio:
-                # the sampling seed, as the draw, from the step and this rank's data shard: the
-                # same samples whichever rank of a tp group or pipeline draws them, and on resume
-                seed = random.Random(f"{draw.random()}:{self.session.dist.data_shard[0]}").getrandbits(62)
-                batch = self._student_batch(batch, seed)
-            yield to_device(batch, self.device)
+        # A step's micro-batches are drawn together (the loader is never ahead of the step being
+        # trained, so a checkpoint's data state is unchanged) and, with the colocated engine, all
+        # their samples made in one call: the weights do not change within a step and each batch
+        # keeps its own seed, so the samples are those of sampling batch by batch, at a batch of
+        # grad_accum_steps times the prompts.
+        batches = iter(self.loader.loader)  # collated on CPU
+        while True:
+            group, seeds = [], []
+            for batch in batches:
+                self.drawn += 1
+                draw = random.Random(f"{self.cfg.seed}:{self.loader.state_dict()}")
+                seed = None
+                if draw.random() < self.cfg.on_policy_ratio:
+                    # the sampling seed, as the draw, from the step and this rank's data shard: the
+                    # same samples whichever rank of a tp group or pipeline draws them, and on resume
+                    seed = random.Random(f"{draw.random()}:{self.session.dist.data_shard[0]}").getrandbits(62)
+                group.append(batch), seeds.append(seed)
+                if len(group) == self.cfg.optim.grad_accum_steps:
+                    break
+            if not group:
+                return
+            for batch in self._student_batches(group, seeds):
+                yield to_device(batch, self.device)
+
+    def _params(self, seed: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=1.0,
+                              stop_token_ids=tuple(self.tok.eos_ids), seed=seed)
 
     @torch.no_grad()
-    def _student_batch(self, batch: dict[str, Any], seed: int) -> dict[str, Any]:
-        prompts = [self.prompts[i] for i in batch["doc_indices"]]
-        params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=1.0,
-                                stop_token_ids=tuple(self.tok.eos_ids), seed=seed)
+    def _student_batches(self, group: list[dict[str, Any]], seeds: list[int | None]) -> list[dict[str, Any]]:
+        """The group's batches, those with a seed replaced by the student's samples for their prompts."""
+        todo = [(i, [self.prompts[j] for j in group[i]["doc_indices"]]) for i, seed in enumerate(seeds)
+                if seed is not None]
+        if not todo:
+            return group
         with self.session.phase("student_sampling"):
-            gens = self._remote(prompts, params) if self.generators is not None else self._colocated(prompts, params)
+            if self.generators is None and self.cfg.sampler == "engine":  # one engine call for the step
+                every = self._colocated([p for _, ps in todo for p in ps],
+                                        [self._params(seeds[i]) for i, ps in todo for _ in ps])
+                cuts = list(itertools.accumulate(len(ps) for _, ps in todo))
+                gens = [every[a:b] for a, b in zip([0, *cuts], cuts)]
+            else:
+                gens = [self._remote(ps, self._params(seeds[i])) if self.generators is not None else
+                        self._colocated(ps, self._params(seeds[i])) for i, ps in todo]
+        out = list(group)
+        for (i, prompts), g in zip(todo, gens):
+            out[i] = self._assemble(group[i], prompts, g)
+        return out
+
+    def _assemble(self, batch: dict[str, Any], prompts: list[list[int]], gens: list) -> dict[str, Any]:
         self.samples += len(gens)
         docs = [Document(p + g.tokens, [IGNORE_INDEX] * len(p) + g.tokens) if g.tokens else None
                 for p, g in zip(prompts, gens)]
@@ -122,7 +156,7 @@ class OnPolicyMix:
             docs = shared[0]
         return collate_padding_free(docs)
 
-    def _colocated(self, prompts: list[list[int]], params: SamplingParams) -> list:
+    def _colocated(self, prompts: list[list[int]], params) -> list:
         with sampling(self.student, self.cfg.parallel):  # every rank samples at the same micro-step
             if self.cfg.sampler == "engine":
                 from core.generation.engine import engine_generate

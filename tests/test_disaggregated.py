@@ -246,13 +246,16 @@ def dpo_and_gkd(data: Path, generation: dict, tag: str):
 
     dpo = dpo_config(data, f"dpo-{tag}", optim=optim(2, lr=5e-3), sampler="engine", generation=generation,
                      **ON_POLICY)
-    gkd = distill_config(data, f"gkd-{tag}", optim=optim(2), sampler="engine", generation=generation, **GKD)
+    # every micro-batch sampled: colocated, a step's two batches go through one engine call (each
+    # with its own seed); the workers sample them batch by batch; the samples must not differ
+    gkd = distill_config(data, f"gkd-{tag}", optim=optim(2), sampler="engine", generation=generation,
+                         **{**GKD, "on_policy_ratio": 1.0})
     return dpo, gkd
 
 
 def test_on_policy_dpo_and_gkd_disaggregated_reproduce_colocated_engine_sampling(data):
-    """On-policy DPO samples its pairs once (version 0) on two workers; GKD samples a share of its
-    micro-batches with the weights of the step being trained (a sync whenever they changed): both
+    """On-policy DPO samples its pairs once (version 0) on two workers; GKD samples every
+    micro-batch with the weights of the step being trained (a sync whenever they changed): both
     give the colocated engine's samples, pairs and steps exactly."""
     from tests.test_stage_parallel import assert_same_run, in_process
 
@@ -270,8 +273,8 @@ def test_on_policy_dpo_and_gkd_disaggregated_reproduce_colocated_engine_sampling
     assert dpo["on_policy/generation/syncs"] == 1 and dpo["on_policy/generation/restarts"] == 0
     colocated = json.loads((data / "gkd-colocated" / "manifest.json").read_text())["metrics"]
     assert gkd["on_policy/samples"] == colocated["on_policy/samples"] > 0
-    # one sync per optimizer step that sampled (4 steps of 2 micro-batches, half of them sampled)
-    assert 1 <= gkd["on_policy/generation/syncs"] <= 4
+    # one sync per optimizer step (4 steps of 2 micro-batches, all sampled)
+    assert gkd["on_policy/generation/syncs"] == 4
 
 
 def test_generation_settings_that_would_do_nothing_are_refused():

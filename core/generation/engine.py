@@ -196,7 +196,8 @@ def engine_generate(model: Transformer, prompts: list[list[int]], params, n: int
     """core.model.generate's contract through the engine: `n` samples of each prompt (they share
     its KV blocks; the prompt is computed once), as core.model.generate.Generation objects in
     prompt-major order (prompt 0's n samples, then prompt 1's, ...), the same as generate() on
-    the prompts repeated n times. params: a core.model.generate.SamplingParams. Sample i of a
+    the prompts repeated n times. params: a core.model.generate.SamplingParams, or a list of one
+    per prompt (e.g. each with its own seed). Sample i of a
     prompt draws from its own generator seeded seed + i (core.generation.sampling), so it does not
     depend on what else is in the batch; greedy tokens equal generate()'s. The model must be whole
     on this process or split by tensor parallelism (decode mode: no sequence parallelism), every
@@ -213,18 +214,21 @@ def engine_generate(model: Transformer, prompts: list[list[int]], params, n: int
     if getattr(model, "pipeline", None) is not None or sharded:
         raise ValueError("sampler: engine needs the model whole on each rank or split by tensor parallelism; "
                          "this layout pipelines or shards it (PP, FSDP): use sampler: static")
-    if tp and params.temperature > 0 and params.seed is None:
+    many = params if isinstance(params, list) else [params] * len(prompts)  # one each, or one for all
+    if len(many) != len(prompts):
+        raise ValueError(f"{len(many)} sampling params for {len(prompts)} prompts")
+    if tp and any(q.temperature > 0 and q.seed is None for q in many):
         raise ValueError("engine under tensor parallelism: sampling needs a seed (every rank of the tp group "
                          "must draw the same tokens)")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
     rows = len(prompts) * n
-    longest = max(len(p) for p in prompts) + params.max_new_tokens
+    longest = max(len(p) + q.max_new_tokens for p, q in zip(prompts, many))
     engine = Engine(model, max_num_seqs=rows, block_size=block_size,
                     num_blocks=rows * (-(-longest // block_size) + 1), max_batch_tokens=max_batch_tokens)
-    request = RequestParams(max_tokens=params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
-                            top_p=params.top_p, stop_token_ids=tuple(params.stop_token_ids), seed=params.seed, n=n)
-    outs = engine.generate(prompts, request)
+    requests = [RequestParams(max_tokens=q.max_new_tokens, temperature=q.temperature, top_k=q.top_k, top_p=q.top_p,
+                              stop_token_ids=tuple(q.stop_token_ids), seed=q.seed, n=n) for q in many]
+    outs = engine.generate(prompts, requests)
     return [Generation(c.tokens, c.finish_reason, c.logprobs) for o in outs for c in o.completions]
 
 
