@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -108,7 +107,8 @@ class OnPolicyMix:
                     # the sampling seed, as the draw, from the step and this rank's data shard: the
                     # same samples whichever rank of a tp group or pipeline draws them, and on resume
                     seed = random.Random(f"{draw.random()}:{self.session.dist.data_shard[0]}").getrandbits(62)
-                group.append(batch), seeds.append(seed)
+                group.append(batch)
+                seeds.append(seed)
                 if len(group) == self.cfg.optim.grad_accum_steps:
                     break
             if not group:
@@ -129,10 +129,9 @@ class OnPolicyMix:
             return group
         with self.session.phase("student_sampling"):
             if self.generators is None and self.cfg.sampler == "engine":  # one engine call for the step
-                every = self._colocated([p for _, ps in todo for p in ps],
-                                        [self._params(seeds[i]) for i, ps in todo for _ in ps])
-                cuts = list(itertools.accumulate(len(ps) for _, ps in todo))
-                gens = [every[a:b] for a, b in zip([0, *cuts], cuts)]
+                every = iter(self._colocated([p for _, ps in todo for p in ps],
+                                             [self._params(seeds[i]) for i, ps in todo for _ in ps]))
+                gens = [[next(every) for _ in ps] for _, ps in todo]
             else:
                 gens = [self._remote(ps, self._params(seeds[i])) if self.generators is not None else
                         self._colocated(ps, self._params(seeds[i])) for i, ps in todo]

@@ -419,8 +419,7 @@ class WeightSubscriber:
         """Where bucket k lands (its ring slot, or the staging buffer it is broadcast into: both stay
         put) and the views that copy it out, made once: (that buffer, plain destinations and their
         sources for one foreach copy, (destination, whole) pairs copied block by block)."""
-        tensors = [t for _, t in self.named]
-        device = _local(tensors[bucket[0]]).device
+        device = _local(self.named[bucket[0]][1]).device
         if self.slots is None and device not in self.staging:
             self.staging[device] = torch.empty(max(self.nbytes), dtype=torch.uint8, device=device)
         buffer = self.slots[k % SLOTS] if self.slots is not None else self.staging[device]
@@ -428,7 +427,7 @@ class WeightSubscriber:
         dsts, srcs, blocks = [], [], []
         sizes = [math.prod(self.entries[i][1]) for i in bucket]
         for i, part in zip(bucket, flat.split(sizes)):
-            whole, dst = part.view(self.entries[i][1]), tensors[i]
+            whole, dst = part.view(self.entries[i][1]), self.named[i][1]
             if isinstance(dst, DTensor) or dst.device != flat.device:
                 blocks.append((dst, whole))
             else:
