@@ -14,7 +14,11 @@ sliding-window layer (args.window_of(layer)), position - j < window; unused quer
 only (never an all-masked row). GQA repeats the KV heads as the model's mask path does. Where
 the paged decode kernel runs on Triton (CUDA, or TRITON_INTERPRET=1; `paged_decode_kernel_applies`),
 the decode group skips the gather and the mask: kernels.paged_attention reads its keys and values
-straight from the pools through the block tables (same function; the CPU keeps SDPA). Then
+straight from the pools through the block tables (same function; the CPU keeps SDPA). Elsewhere,
+when the decoding sequences share leading blocks (the n samples of a prompt) so that reading them
+once per family saves a quarter of the blocks, the decode group is one group that takes cascade
+attention (core.generation.cascade: shared blocks once per family, then each sequence's own, the
+two softmaxes merged). Then
 o_proj, mlp_norm and the block's mlp (dense or MoE, token-wise either way), the final norm, and
 lm_head on the rows that sample only.
 
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from core.generation.cascade import SharedPrefix, cascade_attention, plan_shared_prefix
 from core.generation.paged import PagedKVCache
 from core.lora.model import route_adapters
 from core.model.model import Transformer
@@ -58,6 +63,9 @@ class AttentionGroup:
     """Each sequence's length after this step (cached + new tokens): its keys."""
     block_tables: torch.Tensor
     """(S_g, max_blocks) block ids, padded with block 0 (masked out)."""
+    shared: SharedPrefix | None = None
+    """A decode group whose sequences share leading blocks: its families, for cascade attention
+    (core.generation.cascade) where the paged decode kernel does not run."""
 
 
 @dataclass
@@ -96,12 +104,7 @@ class ForwardBatch:
             slots += token_slots
             if wants_logits:
                 rows.append(len(ids) - 1)
-        groups = []
-        decoding = [s for s, e in enumerate(seqs) if len(e[0]) == 1]
-        for members in (*_split_by_context(decoding, [seqs[s][1] + 1 for s in decoding], block_size),
-                        [s for s, e in enumerate(seqs) if len(e[0]) > 1]):
-            if not members:
-                continue
+        def group(members: list[int], shared: SharedPrefix | None = None) -> AttentionGroup:
             tok, seq_index, q_index, q_lens, ctx_lens = [], [], [], [], []
             for local, s in enumerate(members):
                 n, cached = len(seqs[s][0]), seqs[s][1]
@@ -112,8 +115,20 @@ class ForwardBatch:
                 ctx_lens.append(cached + n)
             width = max(-(-c // block_size) for c in ctx_lens)
             tables = [seqs[s][3][:width] + [0] * (width - len(seqs[s][3][:width])) for s in members]
-            groups.append(AttentionGroup(tensor(tok), tensor(seq_index), tensor(q_index), q_lens, ctx_lens,
-                                         tensor(tables)))
+            return AttentionGroup(tensor(tok), tensor(seq_index), tensor(q_index), q_lens, ctx_lens, tensor(tables),
+                                  shared)
+
+        decoding = [s for s, e in enumerate(seqs) if len(e[0]) == 1]
+        ctx = [seqs[s][1] + 1 for s in decoding]
+        split = _split_by_context(decoding, ctx, block_size)
+        blocks = {s: -(-c // block_size) for s, c in zip(decoding, ctx)}
+        shared = plan_shared_prefix([seqs[s][3] for s in decoding], ctx, block_size,
+                                    sum(len(m) * max(blocks[s] for s in m) for m in split), device) \
+            if len(decoding) > 1 else None
+        groups = [group(decoding, shared)] if shared is not None else [group(m) for m in split if m]
+        prefilling = [s for s, e in enumerate(seqs) if len(e[0]) > 1]
+        if prefilling:
+            groups.append(group(prefilling))
         return cls(tensor(ids), tensor(pos), tensor(slots), groups, tensor(rows))
 
 
@@ -182,7 +197,7 @@ class ModelRunner:
         T = batch.input_ids.shape[0]
         windows = {self.args.window_of(i) for i in range(len(model.layers))}
         kernel = [self._paged_decode(g) for g in batch.groups]  # None: the group runs gather + SDPA
-        masks = [{w: None for w in windows} if ctx is not None else
+        masks = [{w: None for w in windows} if ctx is not None or g.shared is not None else
                  {w: attention_mask(g.q_lens, g.ctx_lens, g.block_tables.shape[1] * cache.block_size, w,
                                     self.device) for w in windows} for g, ctx in zip(batch.groups, kernel)]
         x = model.embed(batch.input_ids[None])  # (1, T, hidden)
@@ -201,6 +216,9 @@ class ModelRunner:
                 if ctx is not None:  # a decode group on Triton: K/V read from the pool through the tables
                     o = paged_decode_attention(q[g.tokens], cache.k[i], cache.v[i], g.block_tables, ctx,
                                                cache.block_size, window=self.args.window_of(i))
+                elif g.shared is not None:  # decode queries whose sequences share their first blocks
+                    o = cascade_attention(q[g.tokens], cache.k[i], cache.v[i], g.shared, cache.block_size,
+                                          window=self.args.window_of(i))
                 else:
                     o = self._attend(i, q[g.tokens], g, mask[self.args.window_of(i)])
                 if out is None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from core.model.generate import filter_logits
 
@@ -111,8 +112,9 @@ def sample_rows(logits: torch.Tensor, picks: list) -> list[int]:
         for i, t in zip(greedy, logits[rows].argmax(-1).tolist()):
             tokens[i] = t
     for (temperature, top_k, top_p, min_p), members in groups.items():
-        rows = torch.tensor([picks[i][1] for i in members], device=logits.device)
-        probs = filter_logits(logits[rows], temperature, top_k, top_p).softmax(-1)
+        rows = [picks[i][1] for i in members]
+        mine = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
+        probs = filter_logits(mine, temperature, top_k, top_p).softmax(-1)
         if min_p > 0:
             probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
         u = torch.stack([torch.rand((), generator=picks[i][0].generator, device=logits.device) for i in members])
@@ -125,13 +127,33 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row of probs (R, V), the first token whose cumulative probability passes u (R,) in
     [0, 1) times the row's total. That is a kept token: a zero-probability token adds nothing to
     the sum, so it is never the first to pass. Where u * total rounds up to the total, the row
-    takes its last kept token."""
-    cdf = probs.cumsum(-1)
-    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    over = drawn >= probs.shape[-1]
+    takes its last kept token.
+
+    Two levels, so no (R, V) cumulative sum is made (a sequential scan, the slowest part of
+    sampling a large vocabulary): the sums of blocks of 256 tokens (fewer where that divides the
+    vocabulary and 256 does not, so the rows need no padded copy), their cumulative sum over the
+    blocks to find the block where the target falls, then the cumulative sum within that block
+    alone. Rounding can put the target past a block's inner total although the block sums said
+    it falls there; the block's last kept token is taken then."""
+    R, V = probs.shape
+    chunk = next((c for c in (256, 128, 64) if V % c == 0), 256)
+    nb = -(-V // chunk)
+    blocks = (probs if V % chunk == 0 else F.pad(probs, (0, nb * chunk - V))).view(R, nb, chunk)
+    sums = blocks.sum(-1)
+    cdf = sums.cumsum(-1)
+    target = u * cdf[:, -1]
+    b = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+    over = b >= nb
     if bool(over.any()):
-        drawn[over] = probs.shape[-1] - 1 - (probs[over] > 0).flip(-1).int().argmax(-1)
-    return drawn
+        b[over] = nb - 1 - (sums[over] > 0).flip(-1).int().argmax(-1)
+    rows = torch.arange(R, device=probs.device)
+    block = blocks[rows, b]  # (R, chunk)
+    before = torch.where(b > 0, cdf[rows, (b - 1).clamp(min=0)], torch.zeros_like(target))
+    t = torch.searchsorted(before[:, None] + block.cumsum(-1), target[:, None], right=True).squeeze(-1)
+    past = t >= chunk
+    if bool(past.any()):
+        t[past] = chunk - 1 - (block[past] > 0).flip(-1).int().argmax(-1)
+    return b * chunk + t
 
 
 def token_logprobs(logp: torch.Tensor, token: int, top: int) -> tuple[float, dict[int, float]]:

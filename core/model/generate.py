@@ -46,7 +46,8 @@ class Generation:
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Scale by temperature and mask everything outside top-k / top-p with -inf. (B, V) fp32."""
-    logits = logits / temperature
+    if temperature != 1.0:  # dividing by 1 changes nothing, and costs a pass over (B, V)
+        logits = logits / temperature
     if top_k and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
