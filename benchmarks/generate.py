@@ -3,7 +3,7 @@ the static-cache sampler the stages use today (core.model.generate) and transfor
 on the same model and prompts.
 
     python -m benchmarks.generate [--models debug smollm2-135m] [--batches 1 16 64] [--samples 4 8]
-                                  [--new-tokens 32] [--out file.json]
+                                  [--new-tokens 32] [--reps 1] [--out file.json]
     posttrain bench generate [...]
 
 Model: a core.model preset with random weights (seed 0), fp32 on CPU, saved once as an HF
@@ -17,7 +17,8 @@ Cases
   sampled, n = k    16 prompts, k samples each at temperature 1: the engine's `n` (the samples
                     share the prompt's blocks, the prompt computed once), the static sampler on
                     the prompts repeated k times, transformers with num_return_sequences=k.
-Per side: tokens_per_s = generated tokens / wall seconds (after one warm-up run of the case),
+Per side: tokens_per_s = generated tokens / wall seconds (after one warm-up run of the case; with
+--reps R, the median of R timed runs, each run's seconds in `reps_seconds`),
 added_mb = ru_maxrss growth of the child process that runs it, after it loaded the model;
 speedup = engine tokens/s over the other side's. floor: the model's own forwards that any sampler
 runs for the case (`_floor`: every prompt once, then one batched one-token forward per new token,
@@ -32,6 +33,7 @@ import argparse
 import multiprocessing as mp
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -64,6 +66,7 @@ def _run(side: str, models: dict, prompts: list[list[int]], new: int, n: int, gr
     import torch
 
     from core.generation import Engine, RequestParams
+    from core.generation.engine import pool_blocks
     from core.model.generate import SamplingParams, generate
 
     ours, hf = models["ours"], models["hf"]
@@ -72,9 +75,8 @@ def _run(side: str, models: dict, prompts: list[list[int]], new: int, n: int, gr
     if side == "floor":
         return _floor(ours, prompts, new, n)
     if side == "engine":
-        rows = len(prompts) * n
-        longest = max(len(p) for p in prompts) + new
-        engine = Engine(ours, max_num_seqs=rows, block_size=16, num_blocks=rows * (-(-longest // 16) + 1),
+        engine = Engine(ours, max_num_seqs=len(prompts) * n, block_size=16,
+                        num_blocks=pool_blocks([len(p) for p in prompts], [new] * len(prompts), n, 16),
                         max_batch_tokens=4096)
         outs = engine.generate(prompts, RequestParams(max_tokens=new, temperature=temp, n=n, seed=0, logprobs=False))
         tokens = [c.tokens for o in outs for c in o.completions]
@@ -120,7 +122,7 @@ def _floor(model, prompts, new: int, n: int) -> tuple[list, float]:
     return [[0] * new for _ in range(rows)], seconds
 
 
-def _child(side, path, prompts, new, n, greedy, q):
+def _child(side, path, prompts, new, n, greedy, reps, q):
     import torch
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
@@ -128,21 +130,25 @@ def _child(side, path, prompts, new, n, greedy, q):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     start = _rss_mb()
     _run(side, models, prompts, new, n, greedy)  # warm-up
-    tokens, seconds = _run(side, models, prompts, new, n, greedy)
+    runs = [_run(side, models, prompts, new, n, greedy) for _ in range(reps)]
     peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, before)
-    q.put((tokens, seconds, peak - start))
+    q.put((runs[0][0], [seconds for _, seconds in runs], peak - start))
 
 
-def measure(side: str, path: Path, prompts, new: int, n: int, greedy: bool) -> dict:
+def measure(side: str, path: Path, prompts, new: int, n: int, greedy: bool, reps: int = 1) -> dict:
     ctx = mp.get_context("spawn")  # a fresh process (a forked one can hang in the parent's OpenMP pool)
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(side, path, prompts, new, n, greedy, q))
+    p = ctx.Process(target=_child, args=(side, path, prompts, new, n, greedy, reps, q))
     p.start()
-    tokens, seconds, added = q.get(timeout=3600)
+    tokens, times, added = q.get(timeout=3600)
     p.join()
     generated = sum(len(t) for t in tokens)
-    return {"tokens_per_s": generated / seconds, "seconds": seconds, "generated": generated,
-            "added_mb": round(added, 1), "_tokens": tokens}
+    seconds = statistics.median(times)
+    out = {"tokens_per_s": generated / seconds, "seconds": seconds, "generated": generated,
+           "added_mb": round(added, 1), "_tokens": tokens}
+    if reps > 1:
+        out["reps_seconds"] = [round(t, 3) for t in times]
+    return out
 
 
 def save(name: str, workdir: Path) -> Path:
@@ -171,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--samples", nargs="+", type=int, default=[4, 8])
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--reps", type=int, default=1, help="timed runs per side and case (median reported)")
     p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES,
                    help="which sides to run (speedups and shares only where both sides ran)")
     p.add_argument("--out")
@@ -188,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             plan = [(f"greedy_b{b}", _prompts(vocab, b, b), 1, True) for b in args.batches]
             plan += [(f"sampled_b16_n{k}", _prompts(vocab, 16, 100 + k), k, False) for k in args.samples]
             for case, prompts, n, greedy in plan:
-                sides = {side: measure(side, path, prompts, args.new_tokens, n, greedy) for side in args.sides}
+                sides = {side: measure(side, path, prompts, args.new_tokens, n, greedy, args.reps)
+                         for side in args.sides}
                 entry = {}
                 for side, r in sides.items():
                     entry[side] = {k: v for k, v in r.items() if not k.startswith("_")}

@@ -1,4 +1,5 @@
-"""benchmarks.generate at its smallest (the debug preset, batches 1 and 3, n = 2, 4 new tokens):
+"""benchmarks.generate at its smallest (the debug preset, batches 1 and 3, n = 2, 4 new tokens, two
+timed runs a side):
 the JSON it promises (with the floor of the model's own forwards), and greedy tokens equal on the three sides (the engine, the static sampler,
 transformers). The figures themselves are never compared."""
 
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_generate_benchmark_reports_three_sides(tmp_path):
     out = tmp_path / "generate.json"
     cmd = [sys.executable, "-m", "flows.cli", "bench", "generate", "--models", "debug", "--batches", "1", "3",
-           "--samples", "2", "--new-tokens", "4", "--out", str(out)]
+           "--samples", "2", "--new-tokens", "4", "--reps", "2", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -26,6 +27,8 @@ def test_generate_benchmark_reports_three_sides(tmp_path):
         for side in ("engine", "static", "transformers", "floor"):
             rows = 16 * 2 if name.startswith("sampled") else int(name[len("greedy_b"):])
             assert case[side]["generated"] == rows * 4 and case[side]["tokens_per_s"] > 0
+            reps = case[side]["reps_seconds"]  # two timed runs, the median (their mean) reported
+            assert len(reps) == 2 and abs(case[side]["seconds"] - sum(reps) / 2) < 1e-3
         assert case["engine_share_of_floor"] == round(case["engine"]["tokens_per_s"] / case["floor"]["tokens_per_s"], 3)
         assert case["speedup_vs_static"] == round(case["engine"]["tokens_per_s"] / case["static"]["tokens_per_s"], 3)
         if name.startswith("greedy"):

@@ -222,14 +222,19 @@ def engine_generate(model: Transformer, prompts: list[list[int]], params, n: int
                          "must draw the same tokens)")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
-    rows = len(prompts) * n
-    longest = max(len(p) + q.max_new_tokens for p, q in zip(prompts, many))
-    engine = Engine(model, max_num_seqs=rows, block_size=block_size,
-                    num_blocks=rows * (-(-longest // block_size) + 1), max_batch_tokens=max_batch_tokens)
+    engine = Engine(model, max_num_seqs=len(prompts) * n, block_size=block_size,
+                    num_blocks=pool_blocks([len(p) for p in prompts], [q.max_new_tokens for q in many], n, block_size),
+                    max_batch_tokens=max_batch_tokens)
     requests = [RequestParams(max_tokens=q.max_new_tokens, temperature=q.temperature, top_k=q.top_k, top_p=q.top_p,
                               stop_token_ids=tuple(q.stop_token_ids), seed=q.seed, n=n) for q in many]
     outs = engine.generate(prompts, requests)
     return [Generation(c.tokens, c.finish_reason, c.logprobs) for o in outs for c in o.completions]
+
+
+def pool_blocks(prompt_lens: list[int], max_new: list[int], n: int, block_size: int) -> int:
+    """Blocks enough for every prompt's n samples to run at once: a prompt's blocks (shared by its
+    samples), and per sample a copy of its partly filled last block plus room for its new tokens."""
+    return sum(-(-length // block_size) + n * (-(-new // block_size) + 1) for length, new in zip(prompt_lens, max_new))
 
 
 def _tp_split(model: Transformer) -> bool:

@@ -40,7 +40,7 @@ class Request:
     cached_tokens: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: running.index/remove compare identity, not every field
 class Sequence:
     seq_id: int
     request: Request
