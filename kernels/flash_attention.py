@@ -167,6 +167,13 @@ def flash_attn_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Ten
     return torch.cat(parts)
 
 
+def flash_attn_varlen_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether `flash_attn_varlen` with these inputs runs the Triton kernel (CUDA, or the CPU under
+    TRITON_INTERPRET=1, in a dtype the kernels take), not the per-document reference; a caller
+    with a cheaper path of its own for the other case asks this."""
+    return use_triton(q, k, v) and _utils.supported(q, k, v)
+
+
 def flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, causal: bool = True,
                       softmax_scale: float | None = None) -> Tensor:
     """Attention over packed documents: q (total_tokens, n_heads, hd), k/v (total_tokens,

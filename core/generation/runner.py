@@ -18,7 +18,9 @@ straight from the pools through the block tables (same function; the CPU keeps S
 when the decoding sequences share leading blocks (the n samples of a prompt) so that reading them
 once per family saves a quarter of the blocks, the decode group is one group that takes cascade
 attention (core.generation.cascade: shared blocks once per family, then each sequence's own, the
-two softmaxes merged). Then
+two softmaxes merged). A prefill group of prompts that all start in this step, where the varlen
+flash-attention kernel runs on Triton, attends through it over this step's own keys (packed one
+prompt after another already), with no gather and no mask. Then
 o_proj, mlp_norm and the block's mlp (dense or MoE, token-wise either way), the final norm, and
 lm_head on the rows that sample only.
 
@@ -34,6 +36,7 @@ model otherwise.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +47,7 @@ from core.generation.paged import PagedKVCache
 from core.lora.model import route_adapters
 from core.model.model import Transformer
 from core.model.rope import rope_cos_sin
+from kernels.flash_attention import flash_attn_varlen, flash_attn_varlen_applies
 from kernels.paged_attention import paged_decode_attention, paged_decode_kernel_applies
 from kernels.rope import apply_rope
 
@@ -66,6 +70,10 @@ class AttentionGroup:
     shared: SharedPrefix | None = None
     """A decode group whose sequences share leading blocks: its families, for cascade attention
     (core.generation.cascade) where the paged decode kernel does not run."""
+    fresh: bool = False
+    """A prefill group of prompts computed from their first token in this step: each sequence's
+    keys are all this step's, its tokens contiguous in the flat batch (the varlen kernel's packed
+    layout, on Triton)."""
 
 
 @dataclass
@@ -129,6 +137,7 @@ class ForwardBatch:
         prefilling = [s for s, e in enumerate(seqs) if len(e[0]) > 1]
         if prefilling:
             groups.append(group(prefilling))
+            groups[-1].fresh = all(seqs[s][1] == 0 for s in prefilling)
         return cls(tensor(ids), tensor(pos), tensor(slots), groups, tensor(rows))
 
 
@@ -197,6 +206,7 @@ class ModelRunner:
         T = batch.input_ids.shape[0]
         windows = {self.args.window_of(i) for i in range(len(model.layers))}
         kernel = [self._paged_decode(g) for g in batch.groups]  # None: the group runs gather + SDPA
+        varlen = [self._varlen_prefill(g) for g in batch.groups]  # None: likewise
         masks = [{w: None for w in windows} if ctx is not None or g.shared is not None else
                  {w: attention_mask(g.q_lens, g.ctx_lens, g.block_tables.shape[1] * cache.block_size, w,
                                     self.device) for w in windows} for g, ctx in zip(batch.groups, kernel)]
@@ -209,18 +219,23 @@ class ModelRunner:
             k = attn.k_proj(h).view(1, T, -1, self.head_dim).transpose(1, 2)  # (1, H_kv, T, hd)
             v = attn.v_proj(h).view(1, T, -1, self.head_dim).transpose(1, 2)
             q, k = apply_rope(q, k, cos, sin)
-            cache.write(i, batch.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (T, H_kv, hd)
+            cache.write(i, batch.slots, k, v)
             q = q[0].transpose(0, 1)  # (T, H, hd)
             out = torch.empty_like(q) if len(batch.groups) > 1 else None
-            for g, mask, ctx in zip(batch.groups, masks, kernel):
-                if ctx is not None:  # a decode group on Triton: K/V read from the pool through the tables
+            window = self.args.window_of(i)
+            for g, mask, ctx, cu in zip(batch.groups, masks, kernel, varlen):
+                if cu is not None and (window is None or max(g.q_lens) <= window):
+                    # fresh prompts on Triton: the varlen kernel over this step's keys, no gather
+                    o = flash_attn_varlen(q[g.tokens], k[g.tokens], v[g.tokens], cu, max(g.q_lens))
+                elif ctx is not None:  # a decode group on Triton: K/V read from the pool through the tables
                     o = paged_decode_attention(q[g.tokens], cache.k[i], cache.v[i], g.block_tables, ctx,
-                                               cache.block_size, window=self.args.window_of(i))
+                                               cache.block_size, window=window)
                 elif g.shared is not None:  # decode queries whose sequences share their first blocks
                     o = cascade_attention(q[g.tokens], cache.k[i], cache.v[i], g.shared, cache.block_size,
-                                          window=self.args.window_of(i))
+                                          window=window)
                 else:
-                    o = self._attend(i, q[g.tokens], g, mask[self.args.window_of(i)])
+                    o = self._attend(i, q[g.tokens], g, mask[window])
                 if out is None:
                     out = o  # one group: its tokens are the batch's, in order
                 else:
@@ -249,6 +264,18 @@ class ModelRunner:
         if not paged_decode_kernel_applies(q, pool, pool, g.block_tables, ctx, self.cache.block_size):
             return None
         return ctx
+
+    def _varlen_prefill(self, g: AttentionGroup) -> torch.Tensor | None:
+        """The group's cu_seqlens (int32) when it is a fresh prefill group and the varlen
+        flash-attention kernel would run on Triton (CUDA, or the interpreter); None otherwise, and
+        the group takes gather + SDPA (a layer whose sliding window is shorter than the longest
+        prompt does too: the kernel has no window)."""
+        if not g.fresh:
+            return None
+        x = self.cache.k[0][:0]  # stands for q, k, v: same device and dtype
+        if not flash_attn_varlen_applies(x, x, x):
+            return None
+        return torch.tensor([0, *itertools.accumulate(g.q_lens)], dtype=torch.int32, device=self.device)
 
     def _attend(self, layer: int, q: torch.Tensor, g: AttentionGroup, mask: torch.Tensor) -> torch.Tensor:
         """Attention of one group's queries q (T_g, H, hd) over its sequences' cached keys."""

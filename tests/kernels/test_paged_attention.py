@@ -155,3 +155,44 @@ def test_engine_greedy_tokens_equal_the_sdpa_path(family):
     with launched(K.LAUNCHES, "paged_decode"):
         got = _engine_tokens(model, prompts, 6)
     assert got == expected
+
+
+@pytest.mark.parametrize("family,budget,launches", [
+    ("llama", 512, 2),  # every prompt fresh in one step: the varlen kernel on both layers
+    ("sliding", 512, 1),  # layer 0's window (5) is shorter than the 8-token prompt: it gathers
+    ("llama", 4, None),  # chunked prefill: first chunks are fresh, later ones read the cache
+])
+def test_engine_prefill_of_fresh_prompts_takes_the_varlen_kernel(family, budget, launches):
+    """A prefill group whose prompts all start in this step attends through
+    kernels.flash_attention.flash_attn_varlen over the step's own keys (no gather); the greedy
+    tokens equal the torch path's (gather + SDPA), also with a second request for a prompt already
+    cached (its prefill reads cached blocks, so it gathers)."""
+    from core.generation import Engine, RequestParams
+    from core.model.args import ModelArgs
+    from core.model.model import build_model
+    from kernels import flash_attention as FA
+
+    base = dict(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
+                initializer_range=0.2)
+    if family == "sliding":
+        base.update(head_dim=12, sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+    model = build_model(ModelArgs(**base), seed=0).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 8, 5)]
+
+    def run():
+        engine = Engine(model, max_num_seqs=4, block_size=4, num_blocks=32, max_batch_tokens=budget)
+        params = RequestParams(temperature=0, max_tokens=5)
+        first = [o.completions[0].tokens for o in engine.generate(prompts, params)]
+        again = engine.generate([prompts[1] + [7, 9]], params)[0]  # its first 8 tokens' blocks are cached
+        assert again.cached_tokens == 8
+        return first, again.completions[0].tokens
+
+    with kernels_mode("torch"):
+        expected = run()
+    before = FA.LAUNCHES["fwd"]
+    with launched(FA.LAUNCHES, "fwd"):
+        got = run()
+    assert got == expected
+    if launches is not None:  # the first generate's one prefill step only: the cached request gathers
+        assert FA.LAUNCHES["fwd"] - before == launches
