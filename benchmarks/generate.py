@@ -3,11 +3,13 @@ the static-cache sampler the stages use today (core.model.generate) and transfor
 on the same model and prompts.
 
     python -m benchmarks.generate [--models debug smollm2-135m] [--batches 1 16 64] [--samples 4 8]
-                                  [--new-tokens 32] [--reps 1] [--out file.json]
+                                  [--new-tokens 32] [--reps 1] [--dtype float32] [--out file.json]
     posttrain bench generate [...]
 
-Model: a core.model preset with random weights (seed 0), fp32 on CPU, saved once as an HF
-checkpoint that transformers loads (LlamaForCausalLM, sdpa attention). Prompts: random token ids,
+Model: a core.model preset with random weights (seed 0), saved once as an HF checkpoint that
+transformers loads (LlamaForCausalLM, sdpa attention); every side runs it in --dtype (fp32 by
+default; bfloat16 for the matrix units of CPUs that have them, where greedy tokens may then differ
+between sides by rounding). Prompts: random token ids,
 lengths uniform in [16, 96] (seeded), distinct per row.
 
 Cases
@@ -122,11 +124,11 @@ def _floor(model, prompts, new: int, n: int) -> tuple[list, float]:
     return [[0] * new for _ in range(rows)], seconds
 
 
-def _child(side, path, prompts, new, n, greedy, reps, q):
+def _child(side, path, prompts, new, n, greedy, reps, dtype, q):
     import torch
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
-    models = load(path)
+    models = load(path, dtype)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     start = _rss_mb()
     _run(side, models, prompts, new, n, greedy)  # warm-up
@@ -135,10 +137,11 @@ def _child(side, path, prompts, new, n, greedy, reps, q):
     q.put((runs[0][0], [seconds for _, seconds in runs], peak - start))
 
 
-def measure(side: str, path: Path, prompts, new: int, n: int, greedy: bool, reps: int = 1) -> dict:
+def measure(side: str, path: Path, prompts, new: int, n: int, greedy: bool, reps: int = 1,
+            dtype: str = "float32") -> dict:
     ctx = mp.get_context("spawn")  # a fresh process (a forked one can hang in the parent's OpenMP pool)
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(side, path, prompts, new, n, greedy, reps, q))
+    p = ctx.Process(target=_child, args=(side, path, prompts, new, n, greedy, reps, dtype, q))
     p.start()
     tokens, times, added = q.get(timeout=3600)
     p.join()
@@ -160,15 +163,16 @@ def save(name: str, workdir: Path) -> Path:
     return workdir / name
 
 
-def load(path: Path) -> dict:
-    """The checkpoint as our model and as transformers' (the same weights)."""
+def load(path: Path, dtype: str = "float32") -> dict:
+    """The checkpoint as our model and as transformers' (the same weights), in `dtype`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from registry.hf import load_pretrained
 
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa").eval()
-    return {"ours": load_pretrained(path).eval(), "hf": hf}
+    dt = getattr(torch, dtype)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation="sdpa").eval()
+    return {"ours": load_pretrained(path, dtype=dt).eval(), "hf": hf}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,12 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", nargs="+", type=int, default=[4, 8])
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=1, help="timed runs per side and case (median reported)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every side's weights")
     p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES,
                    help="which sides to run (speedups and shares only where both sides ran)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     doc: dict = {"command": "python -m benchmarks.generate " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "cpus": os.cpu_count(), "new_tokens": args.new_tokens, "models": {}}
+                 "cpus": os.cpu_count(), "new_tokens": args.new_tokens, "dtype": args.dtype, "models": {}}
     with tempfile.TemporaryDirectory(prefix="bench_generate.") as tmp:
         for name in args.models:
             from core.model import get_preset
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = [(f"greedy_b{b}", _prompts(vocab, b, b), 1, True) for b in args.batches]
             plan += [(f"sampled_b16_n{k}", _prompts(vocab, 16, 100 + k), k, False) for k in args.samples]
             for case, prompts, n, greedy in plan:
-                sides = {side: measure(side, path, prompts, args.new_tokens, n, greedy, args.reps)
+                sides = {side: measure(side, path, prompts, args.new_tokens, n, greedy, args.reps, args.dtype)
                          for side in args.sides}
                 entry = {}
                 for side, r in sides.items():

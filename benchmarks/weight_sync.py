@@ -4,7 +4,7 @@ ring, "shm", and a gloo broadcast, "gloo"), against the floor of a plain memcpy 
 one process.
 
     python -m benchmarks.weight_sync [--models debug smollm2-135m qwen2.5-0.5b] [--reps 3]
-                                     [--bucket-mb 64] [--out file.json]
+                                     [--bucket-mb MB] [--out file.json]
     posttrain bench weight_sync [...]
 
 Each model (a core.model preset, random weights, fp32, LoRA r16 alpha 32 on every linear layer
@@ -40,7 +40,7 @@ MODELS = ("debug", "smollm2-135m", "qwen2.5-0.5b")
 LORA = dict(rank=16, alpha=32.0, targets="all-linear")
 
 
-def worker(name: str, reps: int, bucket_mb: float, out: str) -> None:
+def worker(name: str, reps: int, bucket_mb: float | None, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -67,7 +67,7 @@ def worker(name: str, reps: int, bucket_mb: float, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _one(model, group, rank: int, lora: bool, transport: str, reps: int, bucket_mb: float) -> dict | None:
+def _one(model, group, rank: int, lora: bool, transport: str, reps: int, bucket_mb: float | None) -> dict | None:
     """`reps` syncs (after one warm-up) of one mode over one transport; rank 0's figures."""
     import torch
     import torch.distributed as dist
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), help="core.model presets")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="bucket size (default: WeightPublisher's, 64 MiB full, a quarter of the bytes LoRA-only)")
     p.add_argument("--out", help="also write the JSON document here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -125,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.models:
             out = Path(tmp) / f"{name}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                   "benchmarks.weight_sync", "--worker", name, "--reps", str(args.reps), "--bucket-mb",
-                   str(args.bucket_mb), "--result", str(out)]
+                   "benchmarks.weight_sync", "--worker", name, "--reps", str(args.reps), "--result", str(out)]
+            if args.bucket_mb is not None:
+                cmd += ["--bucket-mb", str(args.bucket_mb)]
             proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")

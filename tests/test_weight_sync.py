@@ -172,6 +172,22 @@ def test_shm_transport_refuses_a_generator_that_cannot_open_the_slots():
     assert message.startswith("weight sync transport='shm': a generator of this group cannot open the shared-memory")
 
 
+def test_default_buckets_split_a_lora_sync_in_about_four():
+    """Default bucket sizes: 64 MiB for a full sync; a LoRA-only sync cut in about four buckets (at
+    least 1 MiB each), so the generators copy one out while the source packs the next."""
+    from core.generation.weights import WeightPublisher
+    from core.model.args import ModelArgs
+
+    args = ModelArgs(vocab_size=256, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=512)
+    model = reference_model(args, seed=0, lora=dict(rank=64, alpha=8.0, targets="all-linear"))  # 4.7 MB of adapters
+    lora = WeightPublisher(model, None, lora_only=True)
+    assert 4 <= len(lora.buckets) <= 5 and lora.bucket_bytes == -(-sum(lora.nbytes) // 4)
+    full = WeightPublisher(model, None)
+    assert full.bucket_bytes == 64 * 2**20 and len(full.buckets) == 1
+    tiny = WeightPublisher(reference_model(args, seed=0, lora=LORA), None, lora_only=True)
+    assert tiny.bucket_bytes == 2**20 and len(tiny.buckets) == 1
+
+
 def test_staleness_policy():
     from core.generation.weights import Staleness
 

@@ -325,7 +325,7 @@ class Disaggregated:
     ranks) publishes the policy to the lead's workers; `submit` / `collect` on the lead only."""
 
     def __init__(self, model: nn.Module, spec: WorkerSpec, lead: bool, workers: int = 1, lora_only: bool = False,
-                 timeout_s: float = 300.0, max_restarts: int = 2, bucket_mb: float = 64.0,
+                 timeout_s: float = 300.0, max_restarts: int = 2, bucket_mb: float | None = None,
                  trainer_device: str = "cpu"):
         self.publisher = WeightPublisher(model, None, lora_only=lora_only, bucket_mb=bucket_mb, keep_last=lead)
         self.pool = GeneratorPool(spec, self.publisher, workers, timeout_s, max_restarts, trainer_device) \

@@ -13,7 +13,7 @@ parameter and persistent buffer of the state dict (a tied head once: it is the e
 `lora_only` the adapter tensors alone (the base stays what the generator loaded). The source sends
 its manifest once; a generator checks it against its own (names, shapes, dtypes) and refuses a
 mismatch, naming the first tensor that differs. The manifest is cut into buckets of at most
-`bucket_mb` of one dtype each.
+`bucket_mb` of one dtype each (default 64 MiB, or a quarter of a LoRA-only sync's bytes).
 
 A sync (`WeightPublisher.publish` on every trainer rank, `WeightSubscriber.receive` on every
 generator): the source broadcasts a header (version, number of buckets); then per bucket every
@@ -218,13 +218,15 @@ class WeightPublisher:
     are on CPU), "shm" (the same, refusing a group that cannot) or "dist" (module doc)."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lora_only: bool = False,
-                 bucket_mb: float = 64.0, keep_last: bool = False, group_src: int | None = None,
+                 bucket_mb: float | None = None, keep_last: bool = False, group_src: int | None = None,
                  transport: str = "auto"):
         if transport not in TRANSPORTS:
             raise ValueError(f"weight sync transport={transport!r}: one of {', '.join(TRANSPORTS)}")
         self.model, self.lora_only, self.keep_last, self.transport = model, lora_only, keep_last, transport
         self.tensors = [t for _, t in _tensors(model, lora_only)]  # looked up once (module doc: Tensors)
         self.entries = manifest(model, lora_only)
+        if bucket_mb is None:  # LoRA-only: ~4 buckets, so generators copy one out while the next is packed
+            bucket_mb = max(1.0, _bucket_bytes(self.entries, range(len(self.entries))) / 4 / 2**20) if lora_only else 64.0
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.buckets = _buckets(self.entries, self.bucket_bytes)
         self.nbytes = [_bucket_bytes(self.entries, b) for b in self.buckets]
