@@ -16,8 +16,8 @@ of flash-decoding):
 each giving unnormalised outputs o_i = sum_j exp(s_ij - m_i) v_j with their row maxima m_i and
 sums l_i = sum_j exp(s_ij - m_i), merged exactly: o = (o_1 e^{m_1 - M} + o_2 e^{m_2 - M}) /
 (l_1 e^{m_1 - M} + l_2 e^{m_2 - M}), M = max(m_1, m_2). Both parts compute in fp32; the result
-equals softmax attention over all keys up to rounding (test: tests/test_generation_engine.py,
-against the gather + SDPA path, with GQA, sliding windows and mixed families).
+equals softmax attention over all keys up to rounding (tests/test_generation_cascade.py: against
+dense fp32 attention per sequence, with GQA, sliding windows and mixed families).
 
 Only decode queries take this path (one query per sequence, at its newest position, so every
 shared key is causally visible; a sliding window masks per query). `plan_shared_prefix` decides,
@@ -139,7 +139,7 @@ def cascade_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     j = torch.arange(plan.own_tables.shape[1] * block_size, device=q.device)[None]
     allowed = j < plan.own_lens[:, None]
     if window is not None:
-        allowed &= (plan.ctx - 1 - (plan.ctx - plan.own_lens))[:, None] - j < window
+        allowed &= (plan.own_lens - 1)[:, None] - j < window  # the query is its own keys' last
     o2, m2, l2 = _partial(qf.permute(1, 0, 2, 3), _gather(k_pool, plan.own_tables, block_size),
                           _gather(v_pool, plan.own_tables, block_size), allowed[None, :, None], scale)
     # shared part: a family's members side by side, rows (g, width) per KV head; family F (the
@@ -152,7 +152,7 @@ def cascade_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     if window is not None:
         qpos = torch.zeros(F + 1, W, dtype=torch.long, device=q.device)
         qpos[plan.family, plan.slot] = plan.ctx - 1
-        allowed = (allowed & (qpos[None, :, None, :, None] - j < window)).expand(-1, -1, g, -1, -1)  # (1, F + 1, g, W, N)
+        allowed = (allowed & (qpos[None, :, None, :, None] - j < window)).expand(-1, -1, g, -1, -1)  # g rows each
     o1, m1, l1 = _partial(rows.permute(2, 0, 3, 1, 4).reshape(kv, F + 1, g * W, hd),
                           _gather(k_pool, plan.tables, block_size), _gather(v_pool, plan.tables, block_size),
                           allowed.flatten(2, 3), scale)
@@ -160,10 +160,8 @@ def cascade_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     def per_seq(t):  # (kv, F + 1, g * W, c) -> (S, kv, g, c): each sequence's rows
         return t.view(kv, F + 1, g, W, -1)[:, plan.family, :, plan.slot]
 
-    def own(t):  # (kv, S, g, c) -> (S, kv, g, c)
-        return t.transpose(0, 1)
-
-    o1, m1, l1, o2, m2, l2 = per_seq(o1), per_seq(m1), per_seq(l1), own(o2), own(m2), own(l2)
+    o1, m1, l1 = per_seq(o1), per_seq(m1), per_seq(l1)
+    o2, m2, l2 = o2.transpose(0, 1), m2.transpose(0, 1), l2.transpose(0, 1)  # (kv, S, g, c) -> (S, kv, g, c)
     m1 = torch.where(l1 > 0, m1, m2)  # nothing shared (or all of it outside the window): weight 0 below
     m = torch.maximum(m1, m2)
     a1, a2 = (m1 - m).exp(), (m2 - m).exp()

@@ -112,7 +112,7 @@ class ForwardBatch:
             slots += token_slots
             if wants_logits:
                 rows.append(len(ids) - 1)
-        def group(members: list[int], shared: SharedPrefix | None = None) -> AttentionGroup:
+        def group(members: list[int], shared: SharedPrefix | None = None, fresh: bool = False) -> AttentionGroup:
             tok, seq_index, q_index, q_lens, ctx_lens = [], [], [], [], []
             for local, s in enumerate(members):
                 n, cached = len(seqs[s][0]), seqs[s][1]
@@ -124,7 +124,7 @@ class ForwardBatch:
             width = max(-(-c // block_size) for c in ctx_lens)
             tables = [seqs[s][3][:width] + [0] * (width - len(seqs[s][3][:width])) for s in members]
             return AttentionGroup(tensor(tok), tensor(seq_index), tensor(q_index), q_lens, ctx_lens, tensor(tables),
-                                  shared)
+                                  shared, fresh)
 
         decoding = [s for s, e in enumerate(seqs) if len(e[0]) == 1]
         ctx = [seqs[s][1] + 1 for s in decoding]
@@ -136,8 +136,7 @@ class ForwardBatch:
         groups = [group(decoding, shared)] if shared is not None else [group(m) for m in split if m]
         prefilling = [s for s, e in enumerate(seqs) if len(e[0]) > 1]
         if prefilling:
-            groups.append(group(prefilling))
-            groups[-1].fresh = all(seqs[s][1] == 0 for s in prefilling)
+            groups.append(group(prefilling, fresh=all(seqs[s][1] == 0 for s in prefilling)))
         return cls(tensor(ids), tensor(pos), tensor(slots), groups, tensor(rows))
 
 
@@ -156,6 +155,13 @@ def _split_by_context(members: list[int], ctx_lens: list[int], block_size: int) 
     if cost > 0.75 * n * b[-1]:
         return [members]
     return [[members[i] for i in order[:cut]], [members[i] for i in order[cut:]]]
+
+
+def _varlen_at(g: AttentionGroup, cu: torch.Tensor | None, window: int | None) -> bool:
+    """Whether group g (its cu_seqlens from ModelRunner._varlen_prefill, or None) attends through
+    the varlen kernel on a layer with this sliding window: the kernel has no window, so a window
+    shorter than the group's longest prompt takes gather + SDPA."""
+    return cu is not None and (window is None or max(g.q_lens) <= window)
 
 
 def attention_mask(q_lens: list[int], ctx_lens: list[int], max_ctx: int, window: int | None,
@@ -207,9 +213,11 @@ class ModelRunner:
         windows = {self.args.window_of(i) for i in range(len(model.layers))}
         kernel = [self._paged_decode(g) for g in batch.groups]  # None: the group runs gather + SDPA
         varlen = [self._varlen_prefill(g) for g in batch.groups]  # None: likewise
-        masks = [{w: None for w in windows} if ctx is not None or g.shared is not None else
+        # masks only where a group gathers + SDPA (not on a kernel, the cascade, or the varlen kernel)
+        masks = [{} if ctx is not None or g.shared is not None else
                  {w: attention_mask(g.q_lens, g.ctx_lens, g.block_tables.shape[1] * cache.block_size, w,
-                                    self.device) for w in windows} for g, ctx in zip(batch.groups, kernel)]
+                                    self.device) for w in windows if not _varlen_at(g, cu, w)}
+                 for g, ctx, cu in zip(batch.groups, kernel, varlen)]
         x = model.embed(batch.input_ids[None])  # (1, T, hidden)
         cos, sin = rope_cos_sin(model.inv_freq, batch.positions[None], model.rope_scale, x.dtype)
         for i, block in enumerate(model.layers):
@@ -225,8 +233,7 @@ class ModelRunner:
             out = torch.empty_like(q) if len(batch.groups) > 1 else None
             window = self.args.window_of(i)
             for g, mask, ctx, cu in zip(batch.groups, masks, kernel, varlen):
-                if cu is not None and (window is None or max(g.q_lens) <= window):
-                    # fresh prompts on Triton: the varlen kernel over this step's keys, no gather
+                if _varlen_at(g, cu, window):  # fresh prompts on Triton: this step's keys, no gather
                     o = flash_attn_varlen(q[g.tokens], k[g.tokens], v[g.tokens], cu, max(g.q_lens))
                 elif ctx is not None:  # a decode group on Triton: K/V read from the pool through the tables
                     o = paged_decode_attention(q[g.tokens], cache.k[i], cache.v[i], g.block_tables, ctx,
@@ -268,8 +275,7 @@ class ModelRunner:
     def _varlen_prefill(self, g: AttentionGroup) -> torch.Tensor | None:
         """The group's cu_seqlens (int32) when it is a fresh prefill group and the varlen
         flash-attention kernel would run on Triton (CUDA, or the interpreter); None otherwise, and
-        the group takes gather + SDPA (a layer whose sliding window is shorter than the longest
-        prompt does too: the kernel has no window)."""
+        the group takes gather + SDPA (and, per layer, see _varlen_at)."""
         if not g.fresh:
             return None
         x = self.cache.k[0][:0]  # stands for q, k, v: same device and dtype
