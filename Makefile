@@ -41,16 +41,16 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(PY) -m flows.cli demo
 
-# The Triton kernels run under the interpreter on CPU, which must be chosen before triton is
-# imported: they get their own pytest process.
+# Both tiers (docs/testing.md) through scripts/run_tests.py: two pytest processes (the Triton
+# kernels run under the interpreter, which must be chosen before triton is imported), then the 25
+# slowest tests, the failed ones and pytest's time against the budget as the last lines.
 test: setup
-	$(PY) -m pytest -q -ra --ignore=tests/kernels $(PYTEST_ARGS)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra tests/kernels $(PYTEST_ARGS)
+	$(PY) scripts/run_tests.py -- $(PYTEST_ARGS)
 
-# Everything but the slow end-to-end and multi-process tests.
+# The fast tier: no process, server or browser (tests/conftest.py enforces it), the kernels on
+# their smallest shapes; a warning past 4 minutes.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" --ignore=tests/kernels $(PYTEST_ARGS)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" tests/kernels $(PYTEST_ARGS)
+	$(PY) scripts/run_tests.py --fast -- $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m flows.cli bench all

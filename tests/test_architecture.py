@@ -84,6 +84,7 @@ def test_stages_import_no_prefect():
     assert violations("stages", ("prefect",)) == []
 
 
+@pytest.mark.slow
 def test_flows_import_no_torch_at_module_level():
     assert violations("flows", ("torch", "triton"), module_level_only=True) == []
     code = ("import sys, flows.pipeline, flows.deploy, flows.cli, flows.dag, flows.ui, flows.report, flows.demo; "

@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_generate_benchmark_reports_three_sides(tmp_path):
     out = tmp_path / "generate.json"
     cmd = [sys.executable, "-m", "flows.cli", "bench", "generate", "--models", "debug", "--batches", "1", "3",

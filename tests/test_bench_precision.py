@@ -10,7 +10,10 @@ import math
 
 from benchmarks.precision import main
 
+import pytest
 
+
+@pytest.mark.slow
 def test_precision_benchmark_reports_each_mode(tmp_path):
     out = tmp_path / "precision.json"
     modes = ["full", "bf16", "fp16"] + (["fp8"] if importlib.util.find_spec("torchao") else [])

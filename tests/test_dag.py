@@ -236,6 +236,7 @@ def _hold(run_dir, ready, release):
         release.wait(30)
 
 
+@pytest.mark.slow
 def test_a_node_dir_held_by_another_process_fails_clearly_or_waits(tmp_path):
     ctx = mp.get_context("spawn")
     ready, release = ctx.Event(), ctx.Event()

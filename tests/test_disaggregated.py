@@ -71,6 +71,7 @@ def same(got, want) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_workers_sample_what_the_trainer_would_and_survive_kills():
     """Full sync to 2 workers built from other weights: their samples are the trainer's engine's
     bit for bit; a worker killed mid-request and one killed between rounds are restarted and sent
@@ -104,6 +105,7 @@ def test_workers_sample_what_the_trainer_would_and_survive_kills():
     assert all(not w.proc.is_alive() for w in remote.pool.workers)
 
 
+@pytest.mark.slow
 def test_lora_only_sync_moves_the_adapters_alone():
     model = trainer_model(lora=True)
     remote = Disaggregated(model, WorkerSpec(functools.partial(build, 0, True), threads=1), lead=True,
@@ -117,6 +119,7 @@ def test_lora_only_sync_moves_the_adapters_alone():
         remote.close()
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_build_fails_the_start_naming_why():
     with pytest.raises(GeneratorError, match=r"worker 0 did not manage to build its model: raised OSError: "
                                              r"no checkpoint at /nowhere"):
@@ -188,6 +191,7 @@ def assert_same_steps(a: dict, b: dict, rel: float = 0.0) -> None:
             assert b[step][key] == pytest.approx(a[step][key], rel=rel, abs=1e-6 if rel else 0), (step, key)
 
 
+@pytest.mark.slow
 def test_grpo_disaggregated_reproduces_colocated_engine_sampling(data):
     colocated, want = run(data, "colocated", sampler="engine")
     steps, got = run(data, "disaggregated", generation=DIS)
@@ -253,6 +257,7 @@ def dpo_and_gkd(data: Path, generation: dict, tag: str):
     return dpo, gkd
 
 
+@pytest.mark.slow
 def test_on_policy_dpo_and_gkd_disaggregated_reproduce_colocated_engine_sampling(data):
     """On-policy DPO samples its pairs once (version 0) on two workers; GKD samples every
     micro-batch with the weights of the step being trained (a sync whenever they changed): both

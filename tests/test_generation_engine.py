@@ -425,6 +425,7 @@ def _engine_under_tp() -> dict:
     return {"greedy": [g.tokens for g in greedy], "sampled": [g.tokens for g in sampled]}
 
 
+@pytest.mark.slow
 def test_the_engine_runs_a_tensor_parallel_model():
     """2 gloo ranks, the debug model split by the TP plan (no sequence parallelism): greedy tokens
     equal one process's, seeded samples equal on both ranks (the gathered logits are the same)."""

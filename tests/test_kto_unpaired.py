@@ -157,6 +157,7 @@ def _rank(rank, world, store, examples, q):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_z0_is_averaged_over_data_parallel_ranks_as_trl_gathers_it(tmp_path, models):
     """Two gloo ranks, each with half the examples: z0 = max(0, mean over ranks of each rank's
     mean mismatched log-ratio), as TRL's gather_for_metrics(kl).mean().clamp(min=0); each rank's

@@ -308,6 +308,7 @@ def _sbatch_directives(script: str) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.slow
 def test_sbatch_script_structure(tmp_path):
     launcher = LauncherConfig(
         kind="slurm", nnodes=4, nproc_per_node=8, max_restarts=2, env={"NCCL_DEBUG": "WARN"},
@@ -432,6 +433,7 @@ def test_same_spec_on_every_launcher(tmp_path):
 
 
 @pytest.mark.parametrize("condition, code", [("Complete", 0), ("Failed", 1)])
+@pytest.mark.slow
 def test_kubernetes_launch_applies_and_follows_the_job(tmp_path, monkeypatch, condition, code):
     """Plumbing only, against a stand-in kubectl: what is applied, and how the outcome is read."""
     bin_dir = tmp_path / "bin"

@@ -52,6 +52,7 @@ def run(kw: dict, manager: CheckpointManager | None = None, stop: int = STEPS, r
 
 
 @pytest.mark.parametrize("kw", NAMES)
+@pytest.mark.slow
 def test_resume_is_bit_exact_and_the_loss_falls(tmp_path, kw):
     full_losses, full, trainer = run(kw)
     assert full_losses[-1] < full_losses[0] - 0.3, full_losses

@@ -22,6 +22,7 @@ from core.tracking.recovery import HOST_TAG, PID_TAG, end_stale_runs, process_al
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_process_tags_tell_a_live_process_from_a_dead_or_reused_pid():
     mine = process_tags()
     assert mine[PID_TAG] == str(os.getpid()) and process_alive(mine) is True
@@ -42,6 +43,7 @@ def _runs(uri: str) -> dict[str, object]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_runs_of_a_killed_flow_end_as_killed_on_the_next_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     # A "flow" that opens its pipeline run and a stage child run, then is SIGKILLed.
@@ -112,6 +114,7 @@ def test_clear_partial_keeps_only_the_checkpoints(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_an_ephemeral_server_left_by_a_killed_flow_is_stopped(tmp_path):
     from flows.recovery import SERVER_APP, reap_orphaned_servers
 

@@ -114,6 +114,7 @@ def test_optional_is_left_only_on_lists_and_mappings(schema):
     assert len(raw) > 3 * len(optional) and "ModelConfig.tokenizer" in raw
 
 
+@pytest.mark.slow
 def test_no_serve_time_fields_in_the_run_form(cfg, schema):
     from flows.deploy import build_deployments
 

@@ -83,6 +83,7 @@ def test_the_check_finds_an_unread_field():
 
 
 @pytest.mark.parametrize("module", SCHEMA_MODULES)
+@pytest.mark.slow
 def test_schema_modules_are_torch_free(module):
     """The flow process loads every schema; none may pull torch in."""
     import subprocess

@@ -328,6 +328,7 @@ def test_api_key_required_except_on_health(server):
     error_of(server.post("/v1/completions", {"model": BASE_ID, "prompt": "x"}, key="wrong"), 401)
 
 
+@pytest.mark.slow
 def test_queue_full_is_429_with_retry_after(adapter_dirs, tok):
     s = Server(served_model(adapter_dirs), tok, max_queue=1)
     gate, entered = threading.Event(), threading.Event()

@@ -69,6 +69,7 @@ def _split_on_each_rank():
     return held, shards, diff
 
 
+@pytest.mark.slow
 def test_the_ep_split_keeps_half_the_experts_per_rank_and_the_model_s_outputs():
     from tests.parallel._dist import run_ranks
 

@@ -201,6 +201,7 @@ def sse_events(response):
 BODY = {"model": "fake", "prompt": "hello", "max_tokens": 4}
 
 
+@pytest.mark.slow
 def test_a_request_on_a_dead_replica_is_retried_and_the_replica_restarts():
     fe = Frontend(["die", "ok"])
     try:
@@ -228,6 +229,7 @@ def test_a_request_on_a_dead_replica_is_retried_and_the_replica_restarts():
         fe.close()
 
 
+@pytest.mark.slow
 def test_retries_are_bounded():
     fe = Frontend(["die", "die", "die"], max_retries=1)
     try:
@@ -239,6 +241,7 @@ def test_retries_are_bounded():
         fe.close()
 
 
+@pytest.mark.slow
 def test_429_only_when_every_live_replica_refuses():
     fe = Frontend(["full", "full"])
     try:
@@ -255,6 +258,7 @@ def test_429_only_when_every_live_replica_refuses():
         fe.close()
 
 
+@pytest.mark.slow
 def test_a_replica_that_never_answers_times_out():
     fe = Frontend(["hang"], request_timeout=1.0)
     try:
@@ -267,6 +271,7 @@ def test_a_replica_that_never_answers_times_out():
         fe.close()
 
 
+@pytest.mark.slow
 def test_a_client_that_gives_up_on_a_json_answer_is_dropped_at_its_replica():
     """A non-streaming caller that goes away: the front end cancels its call to the replica, whose
     connection closes (a real replica then aborts the request in its engine: tests/test_serving_rollout.py)."""
@@ -284,6 +289,7 @@ def test_a_client_that_gives_up_on_a_json_answer_is_dropped_at_its_replica():
         fe.close()
 
 
+@pytest.mark.slow
 def test_the_front_end_checks_the_key_and_health_shows_each_replica():
     fe = Frontend(["ok", "ok"], api_key=KEY)
     fe.auth = {"Authorization": f"Bearer {KEY}"}

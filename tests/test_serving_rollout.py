@@ -147,6 +147,7 @@ def fake():
     fe.close()
 
 
+@pytest.mark.slow
 def test_a_reload_that_does_not_resolve_changes_nothing(fake):
     before = fake.health()
     r = fake.reload({"model": "no-such-model"})
@@ -165,6 +166,7 @@ def test_a_reload_that_does_not_resolve_changes_nothing(fake):
     assert metric(text, "posttrain_frontend_replica_model", '{replica="0",version="ok-v1"}') == 1
 
 
+@pytest.mark.slow
 def test_a_reload_rolls_one_replica_at_a_time(fake):
     pids = [x["pid"] for x in fake.health()["replicas"]]
     assert fake.reload().json()["state"] == "unchanged"  # the same reference, the same version
@@ -185,6 +187,7 @@ def test_a_reload_rolls_one_replica_at_a_time(fake):
     assert metric(text, "posttrain_frontend_reloads_total", '{result="rolled"}') == 1
 
 
+@pytest.mark.slow
 def test_a_model_that_does_not_come_up_is_rolled_back(fake):
     r = fake.reload({"model": "exit"})  # resolves, but every replica on it exits at once
     assert r.status_code == 202

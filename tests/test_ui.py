@@ -104,6 +104,7 @@ def test_a_signal_while_the_urls_are_printed_still_stops_both(monkeypatch):
     assert stopped == [["prefect", "mlflow"]]
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_an_error_before_anything_starts(tmp_path):
     """Another server on the Prefect port would answer the health check: `posttrain ui` must refuse
     (naming the port and the flag) instead of sending runs to someone else's server."""

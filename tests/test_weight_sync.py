@@ -76,6 +76,7 @@ def _plain(model, whole: dict, args, lora: bool):
 
 @pytest.mark.parametrize("lora,transport", [(False, "auto"), (True, "auto"), (False, "dist")],
                          ids=["full-shm", "lora_only-shm", "full-gloo"])
+@pytest.mark.slow
 def test_fsdp_trainer_syncs_a_generator_exactly(lora, transport):
     """"auto" on one host takes the shared-memory ring (2 slots, more buckets than slots: slots are
     reused, each only after the generator acknowledged it); "dist" broadcasts over gloo."""
@@ -121,6 +122,7 @@ def _trainer_to_tp_generator() -> dict:
     return {"version": version, "transport": sub.transport, "tokens": [g.tokens for g in generate(model, prompts, params)]}
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_generator_keeps_its_slices():
     trainer, *generators = run_ranks(_trainer_to_tp_generator, 3)
     for g in generators:  # both read their slices out of the same shared-memory slots
@@ -144,6 +146,7 @@ def _mismatch() -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_generator_of_another_shape_is_refused_by_name():
     _, message = run_ranks(_mismatch, 2)
     assert message.startswith("weight sync: the trainer sends layers.0.mlp.gate_proj.weight (") and "96" in message
@@ -167,6 +170,7 @@ def _shm_refused() -> str:
     return ""
 
 
+@pytest.mark.slow
 def test_shm_transport_refuses_a_generator_that_cannot_open_the_slots():
     message, _ = run_ranks(_shm_refused, 2)
     assert message.startswith("weight sync transport='shm': a generator of this group cannot open the shared-memory")
@@ -201,6 +205,7 @@ def test_staleness_policy():
         Staleness(policy="keep")
 
 
+@pytest.mark.slow
 def test_the_benchmark_reports_both_modes_against_the_floor(tmp_path):
     """benchmarks.weight_sync at its smallest: the JSON it promises (figures never compared)."""
     import json

@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
@@ -62,6 +64,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_model_lora_and_losses_run_without_triton():
     # TRITON_INTERPRET=1 would make use_triton choose the kernels on CPU tensors if Triton were
     # there: the finder must be what keeps them off.
