@@ -9,8 +9,8 @@ first. `--fast` runs the fast tier, `-m "not slow"` (docs/testing.md). Each proc
 XML report; from the two, the last lines printed are the 25 slowest tests, the tests that failed,
 and pytest's own time against the tier's budget:
 
-    full suite: a warning past 25 minutes, a failure (exit 3) past 60 (CI stops at 90: a readable
-                report instead of a kill);
+    full suite: a warning past 25 minutes, a failure (exit 3) past 75 (CI stops at 90: a readable
+                report instead of a kill; 60 once the suite is under 25, issue 38);
     fast tier:  a warning past 4 minutes.
 
 Exit status: the first failing pytest's (a pytest that collected nothing, exit 5, counts as
@@ -31,7 +31,7 @@ from pathlib import Path
 NO_TESTS_COLLECTED = 5
 OVER_BUDGET = 3
 # (warn past, fail past) in seconds of pytest time, per tier
-BUDGETS = {"full": (25 * 60, 60 * 60), "fast": (4 * 60, None)}
+BUDGETS = {"full": (25 * 60, 75 * 60), "fast": (4 * 60, None)}
 SLOWEST = 25
 
 
