@@ -29,6 +29,7 @@ def loss_and_grads(model, ids, pos, labels):
 
 
 @pytest.mark.parametrize("preset", ["debug", "debug-moe"])
+@pytest.mark.slow
 def test_kernels_on_equals_off(preset):
     args = get_preset(preset, hidden_size=48, num_heads=4, num_kv_heads=2, intermediate_size=72, vocab_size=101)
     model = build_model(args, seed=0)

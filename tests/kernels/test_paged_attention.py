@@ -137,6 +137,7 @@ def _engine_tokens(model, prompts, max_tokens):
 
 
 @pytest.mark.parametrize("family", ["llama", "sliding"])
+@pytest.mark.slow
 def test_engine_greedy_tokens_equal_the_sdpa_path(family):
     """Every kernel of the model runs on Triton here (interpreter), the decode groups on the paged
     kernel; kernels_mode("torch") is today's CPU engine (gather + SDPA). Same greedy tokens."""
@@ -162,6 +163,7 @@ def test_engine_greedy_tokens_equal_the_sdpa_path(family):
     ("sliding", 512, 1),  # layer 0's window (5) is shorter than the 8-token prompt: it gathers
     ("llama", 4, None),  # chunked prefill: first chunks are fresh, later ones read the cache
 ])
+@pytest.mark.slow
 def test_engine_prefill_of_fresh_prompts_takes_the_varlen_kernel(family, budget, launches):
     """A prefill group whose prompts all start in this step attends through
     kernels.flash_attention.flash_attn_varlen over the step's own keys (no gather); the greedy
