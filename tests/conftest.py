@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 
-from tests.tier_guard import SpawnInFastTier, _fast_tier_starts_no_process, pytest_runtest_makereport  # noqa: F401
+from tests.tier_guard import _fast_tier_starts_no_process, pytest_runtest_makereport  # noqa: F401
 
 _HOME = tempfile.mkdtemp(prefix="posttrain-tests-prefect-")
 os.environ["PREFECT_HOME"] = _HOME

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test runs the benchmark CLI as a process
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Makes `name` (and its submodules) unimportable, as if it were not installed.
@@ -46,7 +48,6 @@ def _run(tmp_path: Path, blocked: list[str], argv: list[str]) -> subprocess.Comp
 
 
 @pytest.mark.parametrize("blocked", [["peft"], ["transformers", "peft"]])
-@pytest.mark.slow
 def test_bench_sft_names_missing_package(tmp_path, blocked):
     proc = _run(tmp_path, blocked, ["-m", "benchmarks.sft", "--quick"])
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
@@ -59,7 +60,6 @@ def test_bench_sft_names_missing_package(tmp_path, blocked):
         assert "transformers," not in err  # only what is missing is named
 
 
-@pytest.mark.slow
 def test_cli_bench_sft_fails_fast(tmp_path):
     proc = _run(tmp_path, ["peft"], ["-m", "flows.cli", "bench", "sft", "--quick"])
     assert proc.returncode != 0
@@ -67,7 +67,6 @@ def test_cli_bench_sft_fails_fast(tmp_path):
     assert "[bench sft] rep" not in proc.stderr  # nothing was measured
 
 
-@pytest.mark.slow
 def test_blocker_really_blocks(tmp_path):
     """The check above is only meaningful if the blocker hides an installed peft."""
     pytest.importorskip("peft")
@@ -75,7 +74,6 @@ def test_blocker_really_blocks(tmp_path):
     assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr
 
 
-@pytest.mark.slow
 def test_bench_dpo_names_missing_trl(tmp_path):
     proc = _run(tmp_path, ["trl"], ["-m", "benchmarks.dpo", "--quick"])
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr[-2000:])
@@ -83,7 +81,6 @@ def test_bench_dpo_names_missing_trl(tmp_path):
     assert "pip install 'posttrain[bench]'" in proc.stderr, proc.stderr
 
 
-@pytest.mark.slow
 def test_bench_distill_names_missing_trl(tmp_path):
     proc = _run(tmp_path, ["trl"], ["-m", "benchmarks.distill", "--quick"])
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr[-2000:])
@@ -91,7 +88,6 @@ def test_bench_distill_names_missing_trl(tmp_path):
     assert "pip install 'posttrain[bench]'" in proc.stderr, proc.stderr
 
 
-@pytest.mark.slow
 def test_bench_qlora_names_missing_bitsandbytes(tmp_path):
     proc = _run(tmp_path, ["bitsandbytes"], ["-m", "flows.cli", "bench", "qlora", "--quick"])
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr[-2000:])
