@@ -397,6 +397,8 @@ class PipelineDAG:
         if node.kind == "distill" and spec.teacher_cache is None:  # shared by the nodes and runs of the workspace
             spec.teacher_cache = str(Path(self.cfg.workspace) / ".cache" / "teacher")
         spec.launcher = spec.launcher or self.cfg.launcher.model_copy(deep=True)
+        if node.kind == "data_prep":  # rank 0 does all of it (stages.data_prep): one process, as the device pool books it
+            spec.launcher = spec.launcher.model_copy(update={"nproc_per_node": 1})
         spec.tracking = spec.tracking or self.cfg.tracking.model_copy(deep=True)
 
         def model_path(src: str, adapter: str | None = None) -> str:

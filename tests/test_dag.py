@@ -162,6 +162,23 @@ def test_external_references_stay_paths_and_presets(tmp_path):
     assert spec.output_dir == str(Path("runs/demo/s")) and spec.launcher is not None and spec.tracking is not None
 
 
+def test_data_prep_runs_as_one_process_as_the_pool_books_it():
+    """Data prep's rank 0 does all the work: its launch starts one process (the device pool books
+    one slot for it, flows.pipeline._devices), whatever the pipeline's launcher; a training node
+    keeps the launcher's ranks."""
+    from flows.pipeline import _devices
+
+    cfg = cfg_of({"prep": {"kind": "data_prep", "synthetic_size": 10},
+                  "s": {"kind": "sft", "model": "debug", "data": "prep"}}, launcher={"nproc_per_node": 4})
+    dag = PipelineDAG(cfg)
+    prep = dag.spec("prep", {})
+    assert prep.launcher.nproc_per_node == 1
+    assert _devices(dag, "prep")[0] == ("cpu", 1)
+    train = dag.spec("s", ups(dag, "s"))
+    assert train.launcher.nproc_per_node == 4
+    assert cfg.launcher.nproc_per_node == 4  # the pipeline's own launcher is left as it was
+
+
 # ------------------------------------------------------------------------------ cache keys
 
 def test_layout_settings_do_not_count_for_the_result_key(tmp_path):

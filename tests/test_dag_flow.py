@@ -51,6 +51,8 @@ def test_independent_nodes_queue_for_slots_and_a_held_dir_fails_clearly(prefect)
     leases = sorted(result.leases, key=lambda x: x["start"])
     assert [x["node"] for x in leases] in (["a", "b"], ["b", "a"]) and all(x["ids"] == [0] for x in leases)
     assert leases[0]["end"] <= leases[1]["start"]  # one slot: the second waited for the first
+    for node in "ab":  # and a slot is what each used: data prep runs one process
+        assert "--nproc-per-node=1 " in (prefect / "runs" / "slots" / ".launch" / node / "launch.log").read_text()
 
     cfg = config(prefect, name="held")
     held = Path(cfg.run_dir) / "b"
