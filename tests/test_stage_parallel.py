@@ -8,6 +8,11 @@ global batches one process sees with grad_accum_steps=2; tp and cp ranks share t
 (cp ranks cut each packed row by sequence) and accumulate as many micro-batches as one process.
 The step's token count is the check that the batches are the same.
 
+The layouts share launches: one torchrun of 2 ranks and one of 4 run, one stage after another in
+the same ranks and process group, every layout of LAYOUTS that the session's tests ask for
+(`launched`), since a launch's start-up is most of a 4-step stage's run; the killed-and-resumed
+runs launch on their own.
+
 The matrix covers each stage and each dimension once, and the named combinations once each:
 SFT under FSDP, TP+SP, CP x TP, EP x FSDP / EP x TP (an MoE model), EP x TP with LoRA on the
 experts, PP, PP x FSDP and PP x TP (LoRA), and a killed and resumed run under FSDP, TP and PP
@@ -28,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -75,7 +81,20 @@ if kill_at:  # every rank dies the moment the checkpoint of step `kill_at` is co
             os._exit(17)
         return written
     CheckpointManager.save = save_then_die
-if __name__ == "__main__":  # a spawned child (a generator worker) imports this file again
+if __name__ == "__main__" and sys.argv[1] == "--batch":  # (a spawned generator worker imports this file again)
+    # several stages one after the other in these ranks, in one process group (the stages' own
+    # close_distributed would drop it between them); rank 0 marks each one done
+    import torch.distributed as dist
+    recipe.close_distributed = lambda: None
+    for module, spec, metrics, done in json.loads(open(sys.argv[2]).read()):
+        os.environ["POSTTRAIN_TEST_METRICS"] = metrics
+        print(f"==> {module} {spec}", flush=True)
+        importlib.import_module(module).main(["--config", spec])
+        if os.environ["RANK"] == "0":
+            open(done, "w").close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+elif __name__ == "__main__":
     importlib.import_module(sys.argv[1]).main(sys.argv[2:])
 """
 
@@ -113,6 +132,157 @@ def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("stage_parallel")
     prepare(DataPrepConfig(output_dir=str(root / "data"), synthetic_size=120, tracking=TrackingConfig(enabled=False)))
     return root
+
+
+# Pipeline parallelism runs fixed shapes: micro-batches of 2 packed rows (of max_seq_len tokens).
+PP_DATA = {"batch_tokens": None, "micro_batch_size": 2}
+PP_LORA = {"enabled": True, "rank": 8}
+MOE = {"name_or_path": "debug-moe"}
+ON_POLICY = dict(pairs="on_policy", reference="precomputed", num_samples=2, max_new_tokens=6)
+GKD = dict(mode="on_policy", on_policy_ratio=0.5, max_new_tokens=6)
+QLORA = {"enabled": True, "quantize_base": "nf4", "rank": 8}
+
+
+def _sft(parallel: dict, grad_accum: int, lr: float = 1e-3, **kw):
+    return lambda root, name: sft_config(root, name, parallel=parallel, optim=optim(grad_accum, lr), **kw)
+
+
+def _dpo(parallel: dict, grad_accum: int, **kw):
+    return lambda root, name: dpo_config(root, name, parallel=parallel, optim=optim(grad_accum, lr=5e-3), **kw)
+
+
+def _distill(parallel: dict, grad_accum: int, teacher: dict | None = None, **kw):
+    def make(root: Path, name: str) -> DistillConfig:
+        cfg = distill_config(root, name, parallel=parallel, optim=optim(grad_accum), **kw)
+        if teacher is None:
+            return cfg
+        cfg.teacher.parallel = teacher  # a layout of the teacher's own
+        return DistillConfig.model_validate(cfg.model_dump())
+    return make
+
+
+# Every layout the tests below run under torchrun: name -> (ranks, its config from (root, name)).
+LAYOUTS: dict[str, tuple[int, Callable[[Path, str], object]]] = {
+    # SFT
+    "fsdp": (2, _sft({"dp_shard": 2}, 1)),                                # 2 data shards x 1 micro-batch
+    "tp_sp": (2, _sft({"tp": 2, "sequence_parallel": True}, 2)),          # 1 data shard x 2 micro-batches
+    "cp_tp": (4, _sft({"cp": 2, "tp": 2}, 2)),                            # ring attention on tp-split heads
+    "pp": (2, _sft({"pp": 2}, 2, data=PP_DATA)),                          # a block per rank, tied ends
+    "pp_fsdp": (4, _sft({"pp": 2, "dp_shard": 2, "pp_schedule": "gpipe"}, 1, data=PP_DATA)),  # each stage over 2
+    "pp_tp": (4, _sft({"pp": 2, "tp": 2, "sequence_parallel": True}, 2, data=PP_DATA, lora=PP_LORA)),  # LoRA, tp
+    "pp_cp": (4, _sft({"pp": 2, "cp": 2}, 2, data=PP_DATA, lora=PP_LORA)),  # each row's chunks over a ring
+    "ep_fsdp": (2, _sft({"dp_shard": 2, "ep": 2}, 1, model=MOE)),         # 2 experts per rank, non-experts sharded
+    "ep_tp": (4, _sft({"dp_shard": 2, "tp": 2, "ep": 2}, 1, model=MOE)),  # experts over the dp ranks, tokens over tp
+    "ep_tp_lora": (4, _sft({"dp_shard": 2, "tp": 2, "ep": 2}, 1, model=MOE,
+                           lora={"enabled": True, "rank": 8, "experts": True})),
+    "moe-pp": (2, _sft({"pp": 2}, 2, model=MOE, data=PP_DATA)),
+    "moe-pp-ep": (4, _sft({"pp": 2, "dp_shard": 2, "ep": 2}, 1, model=MOE, data=PP_DATA)),  # experts over 2 dp
+    "qlora-fsdp": (2, _sft({"dp_shard": 2}, 1, lr=5e-3, lora=QLORA)),
+    "qlora-tp": (2, _sft({"tp": 2, "sequence_parallel": True}, 2, lr=5e-3, lora=QLORA)),
+    "qlora-pp": (4, _sft({"pp": 2, "tp": 2}, 2, lr=5e-3, lora=QLORA, data=PP_DATA)),
+    # DPO. Chosen and rejected of each pair cut over 2 cp ranks, still meeting in one loss; the
+    # reference the LoRA base under disable_adapter, on the same shards
+    "dpo-cp-fsdp": (4, _dpo({"cp": 2, "dp_shard": 2}, 1)),
+    # pairs side by side in the pipeline's rows, the loss on the last stage; the reference a
+    # forward-only pass of the schedule with the adapters off
+    "dpo-pp": (2, _dpo({"pp": 2}, 2)),
+    # ... or computed once before training (the starting policy is the base), each stage sharded
+    "dpo-pp-fsdp": (4, _dpo({"pp": 2, "dp_shard": 2}, 1, reference="precomputed")),
+    # ... or a frozen copy of the starting model split into the same stages, run forward-only first
+    "dpo-pp-model": (2, _dpo({"pp": 2}, 2, reference="model")),
+    # each row's chunks on a ring in both stages, a pair's log-probs summed over it on the last;
+    # the LoRA base's forward-only pass between accumulated micro-batches (FSDP over the cp ranks)
+    "dpo-pp-cp": (4, _dpo({"pp": 2, "cp": 2}, 2)),
+    # on-policy: samples as an ordinary model (ring attention off, FSDP units gathered), each rank
+    # its seeded share of the prompts; trains on them cut over the cp ranks
+    "dpo-op-cp": (2, _dpo({"cp": 2}, 2, **ON_POLICY)),
+    # decodes with its KV heads split over tp (no sequence split), both tp ranks on the same rows
+    "dpo-op-tp": (2, _dpo({"tp": 2}, 2, **ON_POLICY)),
+    # decodes stage by stage (core.parallel.pipeline_decode), each cp rank its own prompts as an
+    # ordinary model (its stages' FSDP units gathered), then trains on the pairs pipelined and on a ring
+    "dpo-op-pp-cp": (4, _dpo({"pp": 2, "cp": 2}, 2, **ON_POLICY)),
+    "dpo-ep": (2, _dpo({"dp_shard": 2, "ep": 2}, 1, model=MOE)),
+    # online distillation: the teacher sharded with the student's layout, ring attention on the same chunks
+    "kd-cp": (2, _distill({"cp": 2}, 2)),
+    # a teacher of its own layout: sharded over both ranks (FSDP, inference) while the student replicates
+    "kd-ddp-teacher-fsdp": (2, _distill({"dp_replicate": 2}, 1, teacher={"dp_shard": 2})),
+    # teacher and student split alike over tp: their logits meet on each rank's vocab slice
+    "kd-tp": (2, _distill({"tp": 2}, 2)),
+    "kd-pp-tp": (4, _distill({"pp": 2, "tp": 2, "sequence_parallel": True}, 2, data=PP_DATA)),
+    "kd-pp-cp": (4, _distill({"pp": 2, "cp": 2}, 2, data=PP_DATA)),  # both stages on the ring, the chunks met there
+    "distill-ep": (2, _distill({"dp_shard": 2, "ep": 2}, 1, model=MOE)),
+    # GKD: the student samples as an ordinary model, then trains on its samples cut over cp
+    "gkd-cp": (2, _distill({"cp": 2}, 2, **GKD)),
+    "gkd-tp": (2, _distill({"tp": 2}, 2, **GKD)),  # the tp group decodes in lockstep on the same prompts
+    # decodes stage by stage; the samples keep their prompts' rows (the pipeline's fixed shapes),
+    # the teacher split into the same stages; both on a ring for training
+    "gkd-pp-cp": (4, _distill({"pp": 2, "cp": 2}, 2, data=dict(PP_DATA, packing=False), **GKD)),
+    # offline distillation
+    "kd-off-fsdp": (2, _distill({"dp_shard": 2}, 1, mode="offline", top_k=8)),
+    "kd-off-tp": (2, _distill({"tp": 2, "sequence_parallel": True}, 2, mode="offline", top_k=8)),
+    "kd-off-cp": (2, _distill({"cp": 2}, 2, mode="offline", top_k=8)),
+    "kd-off-pp-cp": (4, _distill({"pp": 2, "cp": 2}, 2, mode="offline", top_k=8, data=PP_DATA)),
+}
+
+
+def layout_config(root: Path, layout: str):
+    return LAYOUTS[layout][1](root, layout)
+
+
+@pytest.fixture(scope="module")
+def launched(root, request) -> dict[str, list[dict]]:
+    """The layouts this session's tests of this module ask for, under torchrun: one launch per
+    world size, its stages one after the other in the same ranks and process group (a launch's
+    start-up, torchrun and every rank importing torch and the stages, is most of a small stage's
+    run: ~7 s of 2 ranks, ~10 s of 4, on 2 cores). {layout: rank 0's metrics records}; a layout
+    whose launch failed raises, with the launch's output, when a test asks for it."""
+    wanted = [name for name in LAYOUTS
+              if any(getattr(item, "callspec", None) and item.callspec.params.get("layout") == name
+                     and item.module is request.module for item in request.session.items)]
+    out: dict[str, list[dict]] = {}
+    for nproc in sorted({LAYOUTS[n][0] for n in wanted}):
+        out.update(torchrun_batch(root, [n for n in wanted if LAYOUTS[n][0] == nproc], nproc))
+    return _Launched(out)
+
+
+class _Launched(dict):
+    def __missing__(self, layout: str):
+        raise AssertionError(f"layout {layout!r} was not launched (not asked for by a collected test)")
+
+    def __getitem__(self, layout: str) -> list[dict]:
+        got = super().__getitem__(layout)
+        if isinstance(got, str):
+            raise AssertionError(got)
+        return got
+
+
+def torchrun_batch(root: Path, layouts: list[str], nproc: int) -> dict[str, list[dict] | str]:
+    """Run `layouts` (each LAYOUTS' config) in one torchrun launch of `nproc` ranks; {layout:
+    records}, or the launch's output tail for those it did not finish."""
+    work = root / f".work-batch-{nproc}"
+    work.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for name in layouts:
+        spec, metrics, done = work / f"{name}.json", work / f"{name}.metrics.jsonl", work / f"{name}.done"
+        to_json_file(layout_config(root, name), spec)
+        metrics.unlink(missing_ok=True)
+        done.unlink(missing_ok=True)
+        runs.append((MODULES[type(layout_config(root, name))], str(spec), str(metrics), str(done)))
+    (work / "batch.json").write_text(json.dumps(runs))
+    (work / "record_stage.py").write_text(RECORDER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1", "POSTTRAIN_TEST_KILL_AFTER_SAVE": "0"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(work / "record_stage.py"), "--batch", str(work / "batch.json")]
+    proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1500)
+    out: dict[str, list[dict] | str] = {}
+    for name, (_, _, metrics, done) in zip(layouts, runs):
+        if Path(done).exists():
+            out[name] = plain([json.loads(line) for line in Path(metrics).read_text().splitlines()])
+        else:
+            out[name] = (f"the {nproc}-rank launch of {layouts} (exit {proc.returncode}) did not finish {name!r}:\n"
+                         + (proc.stdout + proc.stderr)[-6000:])
+    return out
 
 
 def in_process(cfg) -> list[dict]:
@@ -219,18 +389,12 @@ def assert_same_run(records: list[dict], ref_records: list[dict], out: Path, ref
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel,grad_accum,nproc", [
-    ("fsdp", {"dp_shard": 2}, 1, 2),                            # 2 data shards x 1 micro-batch
-    ("tp_sp", {"tp": 2, "sequence_parallel": True}, 2, 2),      # 1 data shard x 2 micro-batches
-    ("cp_tp", {"cp": 2, "tp": 2}, 2, 4),                        # ring attention on tp-split heads
-])
-def test_sft_under_torchrun_matches_one_process(reference, layout, parallel, grad_accum, nproc):
+@pytest.mark.parametrize("layout", ["fsdp", "tp_sp", "cp_tp"])
+def test_sft_under_torchrun_matches_one_process(reference, launched, layout):
     root, ref_records = reference
-    cfg = sft_config(root, layout, parallel=parallel, optim=optim(grad_accum))
-    records = torchrun_stage(cfg, root / f".work-{layout}", nproc)
-    assert_same_run(records, ref_records, root / layout, root / "ref", ("val/loss_initial", "val/loss"))
+    assert_same_run(launched[layout], ref_records, root / layout, root / "ref", ("val/loss_initial", "val/loss"))
     if layout in ("fsdp", "tp_sp"):
-        assert_resume_is_bit_exact(cfg, root / layout, nproc)
+        assert_resume_is_bit_exact(layout_config(root, layout), root / layout, LAYOUTS[layout][0])
 
 
 def assert_resume_is_bit_exact(cfg: SFTConfig, uninterrupted: Path, nproc: int) -> None:
@@ -251,11 +415,6 @@ def assert_resume_is_bit_exact(cfg: SFTConfig, uninterrupted: Path, nproc: int) 
     assert all(torch.equal(got[k], want[k]) for k in want), "resumed weights differ from the uninterrupted run's"
 
 
-# Pipeline parallelism runs fixed shapes: micro-batches of 2 packed rows (of max_seq_len tokens).
-PP_DATA = {"batch_tokens": None, "micro_batch_size": 2}
-PP_LORA = {"enabled": True, "rank": 8}
-
-
 @pytest.fixture(scope="module")
 def pp_references(root):
     """SFT in this process on PP_DATA (2 micro-batches per step), full and LoRA: {lora: records}."""
@@ -265,28 +424,16 @@ def pp_references(root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel,grad_accum,nproc,lora", [
-    ("pp", {"pp": 2}, 2, 2, False),                                              # a block per rank, tied ends
-    ("pp_fsdp", {"pp": 2, "dp_shard": 2, "pp_schedule": "gpipe"}, 1, 4, False),  # each stage sharded over 2
-    ("pp_tp", {"pp": 2, "tp": 2, "sequence_parallel": True}, 2, 4, True),        # LoRA on tp-split stages
-    ("pp_cp", {"pp": 2, "cp": 2}, 2, 4, True),                                  # each row's chunks over a ring
-])
-def test_sft_under_pipeline_parallelism_matches_one_process(root, pp_references, layout, parallel, grad_accum,
-                                                            nproc, lora):
+@pytest.mark.parametrize("layout,lora", [("pp", False), ("pp_fsdp", False), ("pp_tp", True), ("pp_cp", True)])
+def test_sft_under_pipeline_parallelism_matches_one_process(root, pp_references, launched, layout, lora):
     """The schedule runs each micro-batch's rows as microbatches (1F1B or GPipe), the loss on the
     last stage a token sum; the debug model ties its embeddings, so the first and last stages
     each hold a copy whose gradients are summed before the step. Then the run under pp is killed
     after its step-2 checkpoint and resumed, bitwise."""
-    extra = {"lora": PP_LORA} if lora else {}
     ref = f"pp-ref{'-lora' if lora else ''}"
-    cfg = sft_config(root, layout, data=PP_DATA, parallel=parallel, optim=optim(grad_accum), **extra)
-    records = torchrun_stage(cfg, root / f".work-{layout}", nproc)
-    assert_same_run(records, pp_references[lora], root / layout, root / ref, ("val/loss_initial", "val/loss"))
+    assert_same_run(launched[layout], pp_references[lora], root / layout, root / ref, ("val/loss_initial", "val/loss"))
     if layout == "pp":
-        assert_resume_is_bit_exact(cfg, root / layout, nproc)
-
-
-MOE = {"name_or_path": "debug-moe"}
+        assert_resume_is_bit_exact(layout_config(root, layout), root / layout, LAYOUTS[layout][0])
 
 
 @pytest.fixture(scope="module")
@@ -295,14 +442,9 @@ def moe_reference(root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel,grad_accum,nproc", [
-    ("ep_fsdp", {"dp_shard": 2, "ep": 2}, 1, 2),                # 2 experts per rank, non-experts sharded
-    ("ep_tp", {"dp_shard": 2, "tp": 2, "ep": 2}, 1, 4),         # experts over the dp ranks, tokens over tp
-])
-def test_moe_sft_under_expert_parallelism_matches_one_process(root, moe_reference, layout, parallel, grad_accum,
-                                                              nproc):
-    cfg = sft_config(root, layout, model=MOE, parallel=parallel, optim=optim(grad_accum))
-    records = torchrun_stage(cfg, root / f".work-{layout}", nproc)
+@pytest.mark.parametrize("layout", ["ep_fsdp", "ep_tp"])
+def test_moe_sft_under_expert_parallelism_matches_one_process(root, moe_reference, launched, layout):
+    records = launched[layout]
     assert_same_run(records, moe_reference, root / layout, root / "moe-ref", ("val/loss_initial", "val/loss"))
     if layout == "ep_tp":  # the logged balancing loss is the whole sequences', not a tp rank's share (1/2)
         for step in range(1, STEPS + 1):  # (rank 0 logs its own micro-batch's; one process the mean of two)
@@ -311,7 +453,8 @@ def test_moe_sft_under_expert_parallelism_matches_one_process(root, moe_referenc
 
 
 @pytest.mark.slow
-def test_lora_on_experts_under_expert_and_tensor_parallelism_matches_one_process(root):
+@pytest.mark.parametrize("layout", ["ep_tp_lora"])
+def test_lora_on_experts_under_expert_and_tensor_parallelism_matches_one_process(root, launched, layout):
     """lora.experts: each expert's update sharded with its expert over ep, replicated over tp (its
     gradient reduced over tp in the graph); the merged export and the PEFT adapter (the experts'
     target_parameters) come from the gathered adapters."""
@@ -319,9 +462,7 @@ def test_lora_on_experts_under_expert_and_tensor_parallelism_matches_one_process
 
     kw = dict(model=MOE, lora={"enabled": True, "rank": 8, "experts": True})
     ref = in_process(sft_config(root, "moe-lora-ref", optim=optim(2), **kw))
-    cfg = sft_config(root, "ep_tp_lora", parallel={"dp_shard": 2, "tp": 2, "ep": 2}, optim=optim(1), **kw)
-    records = torchrun_stage(cfg, root / ".work-ep_tp_lora", 4)
-    assert_same_run(records, ref, root / "ep_tp_lora", root / "moe-lora-ref", ("val/loss_initial", "val/loss"))
+    assert_same_run(launched[layout], ref, root / "ep_tp_lora", root / "moe-lora-ref", ("val/loss_initial", "val/loss"))
     with safe_open(str(root / "ep_tp_lora" / "adapter" / "adapter_model.safetensors"), "pt") as f:
         experts = [k for k in f.keys() if ".mlp.experts." in k]
         assert len(experts) == 4 * 2 and f.get_tensor(experts[0]).abs().sum() > 0  # 4 tensors x 2 MoE layers
@@ -335,20 +476,15 @@ def moe_pp_reference(root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel,grad_accum,nproc", [
-    ("moe-pp", {"pp": 2}, 2, 2),
-    ("moe-pp-ep", {"pp": 2, "dp_shard": 2, "ep": 2}, 1, 4),  # each stage's experts over its 2 dp ranks
-])
-def test_moe_sft_under_pipeline_parallelism_matches_one_process(root, moe_pp_reference, layout, parallel,
-                                                                grad_accum, nproc):
+@pytest.mark.parametrize("layout", ["moe-pp", "moe-pp-ep"])
+def test_moe_sft_under_pipeline_parallelism_matches_one_process(root, moe_pp_reference, launched, layout):
     """An MoE model's blocks split over 2 stages: each block's balancing loss attached where the
     block lives, weighted by its microbatch's target tokens and taken over its real tokens only
     (the pipeline's padding rows and columns do not count); with ep, each stage's experts spread
     over its data-parallel ranks. The one-process reference runs the same rows as micro-batches
     of one row (a pipeline microbatch here): the balancing loss is not linear in the tokens it is
     taken over."""
-    cfg = sft_config(root, layout, model=MOE, data=PP_DATA, parallel=parallel, optim=optim(grad_accum))
-    records = torchrun_stage(cfg, root / f".work-{layout}", nproc)
+    records, nproc = launched[layout], LAYOUTS[layout][0]
     assert_same_run(records, moe_pp_reference, root / layout, root / "moe-pp-ref", ("val/loss_initial", "val/loss"))
     for step in range(1, STEPS + 1):  # under ep rank 0 logs its own rows' value, one process every row's
         par, want = steps_of(records)[step]["moe/aux_loss"], steps_of(moe_pp_reference)[step]["moe/aux_loss"]
@@ -361,26 +497,9 @@ def dpo_reference(root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel,grad_accum,nproc,extra", [
-    # chosen and rejected of each pair cut over 2 cp ranks, still meeting in one loss; the reference
-    # the LoRA base under disable_adapter, on the same shards
-    ("dpo-cp-fsdp", {"cp": 2, "dp_shard": 2}, 1, 4, {}),
-    # pairs side by side in the pipeline's rows, the loss on the last stage; the reference a
-    # forward-only pass of the schedule with the adapters off
-    ("dpo-pp", {"pp": 2}, 2, 2, {}),
-    # ... or computed once before training (the starting policy is the base), each stage sharded
-    ("dpo-pp-fsdp", {"pp": 2, "dp_shard": 2}, 1, 4, {"reference": "precomputed"}),
-    # ... or a frozen copy of the starting model split into the same stages, run forward-only first
-    ("dpo-pp-model", {"pp": 2}, 2, 2, {"reference": "model"}),
-    # each row's chunks on a ring in both stages, a pair's log-probs summed over it on the last;
-    # the LoRA base's forward-only pass between accumulated micro-batches (FSDP over the cp ranks)
-    ("dpo-pp-cp", {"pp": 2, "cp": 2}, 2, 4, {}),
-])
-def test_dpo_under_parallel_layouts_matches_one_process(root, dpo_reference, layout, parallel, grad_accum, nproc,
-                                                       extra):
-    cfg = dpo_config(root, layout, parallel=parallel, optim=optim(grad_accum, lr=5e-3), **extra)
-    records = torchrun_stage(cfg, root / f".work-{layout}", nproc)
-    assert_same_run(records, dpo_reference, root / layout, root / "dpo-ref",
+@pytest.mark.parametrize("layout", ["dpo-cp-fsdp", "dpo-pp", "dpo-pp-fsdp", "dpo-pp-model", "dpo-pp-cp"])
+def test_dpo_under_parallel_layouts_matches_one_process(root, dpo_reference, launched, layout):
+    assert_same_run(launched[layout], dpo_reference, root / layout, root / "dpo-ref",
                     ("val/accuracy", "val/margin", "val/chosen", "val/rejected"))
 
 
@@ -389,24 +508,10 @@ def on_policy_reference(root):
     return in_process(dpo_config(root, "dpo-op-ref", optim=optim(2, lr=5e-3), **ON_POLICY))
 
 
-ON_POLICY = dict(pairs="on_policy", reference="precomputed", num_samples=2, max_new_tokens=6)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel", [
-    # samples as an ordinary model (ring attention off, FSDP units gathered), each rank its seeded
-    # share of the prompts; trains on them cut over the cp ranks
-    ("dpo-op-cp", {"cp": 2}),
-    # decodes with its KV heads split over tp (no sequence split), both tp ranks on the same rows
-    ("dpo-op-tp", {"tp": 2}),
-    # decodes stage by stage (core.parallel.pipeline_decode), each cp rank its own prompts as an
-    # ordinary model (its stages' FSDP units gathered), then trains on the pairs pipelined and on a ring
-    ("dpo-op-pp-cp", {"pp": 2, "cp": 2}),
-])
-def test_on_policy_dpo_under_parallel_layouts_matches_one_process(root, on_policy_reference, layout, parallel):
-    cfg = dpo_config(root, layout, parallel=parallel, optim=optim(2, lr=5e-3), **ON_POLICY)
-    records = torchrun_stage(cfg, root / f".work-{layout}", 4 if "pp" in parallel else 2)
-    assert_same_run(records, on_policy_reference, root / layout, root / "dpo-op-ref",
+@pytest.mark.parametrize("layout", ["dpo-op-cp", "dpo-op-tp", "dpo-op-pp-cp"])
+def test_on_policy_dpo_under_parallel_layouts_matches_one_process(root, on_policy_reference, launched, layout):
+    assert_same_run(launched[layout], on_policy_reference, root / layout, root / "dpo-op-ref",
                     ("val/accuracy", "val/margin", "val/chosen", "val/rejected"))
     same = [(root / d / "on_policy" / "train.jsonl").read_text() for d in ("dpo-op-ref", layout)]
     assert same[0] == same[1]  # the same samples, rewards and pairs
@@ -418,25 +523,9 @@ def kd_reference(root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel,teacher,grad_accum", [
-    # the teacher sharded with the student's layout, ring attention on the same sequence chunks
-    ("kd-cp", {"cp": 2}, None, 2),
-    # a teacher of its own layout: sharded over both ranks (FSDP, inference) while the student replicates
-    ("kd-ddp-teacher-fsdp", {"dp_replicate": 2}, {"dp_shard": 2}, 1),
-    # teacher and student split alike over tp: their logits meet on each rank's vocab slice
-    ("kd-tp", {"tp": 2}, None, 2),
-])
-def test_online_distillation_under_parallel_layouts_matches_one_process(root, kd_reference, layout, parallel, teacher,
-                                                                        grad_accum):
-    cfg = distill_config(root, layout, parallel=parallel, optim=optim(grad_accum))
-    if teacher is not None:
-        cfg.teacher.parallel = teacher
-        cfg = DistillConfig.model_validate(cfg.model_dump())
-    records = torchrun_stage(cfg, root / f".work-{layout}", 2)
-    assert_same_run(records, kd_reference, root / layout, root / "kd-ref", ("val/kl_initial", "val/kl"))
-
-
-GKD = dict(mode="on_policy", on_policy_ratio=0.5, max_new_tokens=6)
+@pytest.mark.parametrize("layout", ["kd-cp", "kd-ddp-teacher-fsdp", "kd-tp"])
+def test_online_distillation_under_parallel_layouts_matches_one_process(root, kd_reference, launched, layout):
+    assert_same_run(launched[layout], kd_reference, root / layout, root / "kd-ref", ("val/kl_initial", "val/kl"))
 
 
 @pytest.fixture(scope="module")
@@ -445,41 +534,31 @@ def gkd_reference(root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel", [
-    ("gkd-cp", {"cp": 2}),  # the student samples as an ordinary model, then trains on its samples cut over cp
-    ("gkd-tp", {"tp": 2}),  # the tp group decodes in lockstep on the same prompts
-    # decodes stage by stage; the samples keep their prompts' rows (the pipeline's fixed shapes),
-    # the teacher split into the same stages; both on a ring for training
-    ("gkd-pp-cp", {"pp": 2, "cp": 2}),
-])
-def test_on_policy_distillation_under_parallel_layouts_matches_one_process(root, gkd_reference, layout, parallel):
+@pytest.mark.parametrize("layout", ["gkd-cp", "gkd-tp", "gkd-pp-cp"])
+def test_on_policy_distillation_under_parallel_layouts_matches_one_process(root, gkd_reference, launched, layout):
     """GKD (mode on_policy): half the batches are the student's own completions, scored by the
     teacher laid out as the student; the same samples and steps as one process."""
     ref, ref_dir = gkd_reference, "gkd-ref"
-    data = {}
-    if "pp" in parallel:  # fixed shapes: micro-batches of rows, one document each (a sample, longer than
+    if "pp" in layout:  # fixed shapes: micro-batches of rows, one document each (a sample, longer than
         # the document it replaces, still fits its row), and its own one-process reference
-        data, ref_dir = {"data": dict(PP_DATA, packing=False)}, "gkd-pp-ref"
-        ref = in_process(distill_config(root, ref_dir, optim=optim(2), **data, **GKD))
-    cfg = distill_config(root, layout, parallel=parallel, optim=optim(2), **data, **GKD)
-    records = torchrun_stage(cfg, root / f".work-{layout}", 4 if "pp" in parallel else 2)
-    assert_same_run(records, ref, root / layout, root / ref_dir, ("val/kl_initial", "val/kl"))
+        ref_dir = "gkd-pp-ref"
+        ref = in_process(distill_config(root, ref_dir, optim=optim(2), data=dict(PP_DATA, packing=False), **GKD))
+    assert_same_run(launched[layout], ref, root / layout, root / ref_dir, ("val/kl_initial", "val/kl"))
     metrics = [json.loads((root / d / "manifest.json").read_text())["metrics"] for d in (ref_dir, layout)]
     assert metrics[0]["on_policy/samples"] == metrics[1]["on_policy/samples"] > 0
     assert metrics[1]["on_policy/truncated"] == 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["dpo", "distill"])
-def test_moe_dpo_and_distillation_under_expert_parallelism_match_one_process(root, stage):
+@pytest.mark.parametrize("layout", ["dpo-ep", "distill-ep"])
+def test_moe_dpo_and_distillation_under_expert_parallelism_match_one_process(root, launched, layout):
     """EP x FSDP in the other training stages: DPO (the reference the LoRA base, experts sharded)
     and online distillation of an MoE student by a dense teacher."""
+    stage = layout.removesuffix("-ep")
     make, val = (dpo_config, ("val/accuracy", "val/margin")) if stage == "dpo" else (distill_config, ("val/kl",))
     lr = 5e-3 if stage == "dpo" else 1e-3
     ref = in_process(make(root, f"{stage}-moe-ref", model=MOE, optim=optim(2, lr=lr)))
-    cfg = make(root, f"{stage}-ep", model=MOE, parallel={"dp_shard": 2, "ep": 2}, optim=optim(1, lr=lr))
-    records = torchrun_stage(cfg, root / f".work-{stage}-ep", 2)
-    assert_same_run(records, ref, root / f"{stage}-ep", root / f"{stage}-moe-ref", val)
+    assert_same_run(launched[layout], ref, root / layout, root / f"{stage}-moe-ref", val)
 
 
 @pytest.fixture(scope="module")
@@ -488,17 +567,13 @@ def kd_pp_reference(root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel", [
-    ("kd-pp-tp", {"pp": 2, "tp": 2, "sequence_parallel": True}),
-    ("kd-pp-cp", {"pp": 2, "cp": 2}),  # teacher and student stages both on the ring, the rows' chunks met there
-])
+@pytest.mark.parametrize("layout", ["kd-pp-tp", "kd-pp-cp"])
 def test_online_distillation_under_pipeline_and_tensor_or_context_parallelism_matches_one_process(
-        root, kd_pp_reference, layout, parallel):
+        root, kd_pp_reference, launched, layout):
     """The teacher split into the student's stages (and tp or cp): it runs each micro-batch
     forward-only first, its last stage keeping each microbatch's logits, which the student's last
     stage meets in the divergence (vocab-parallel under tp, on this rank's chunks under cp)."""
-    cfg = distill_config(root, layout, data=PP_DATA, parallel=parallel, optim=optim(2))
-    records = torchrun_stage(cfg, root / f".work-{layout}", 4)
+    records = launched[layout]
     assert_same_run(records, kd_pp_reference, root / layout, root / "kd-pp-ref", ("val/kl_initial", "val/kl"))
     assert steps_of(records)[STEPS]["time/teacher_frac"] > 0  # the teacher's pass is timed
 
@@ -509,14 +584,9 @@ def kd_offline_reference(root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel,grad_accum", [
-    ("kd-off-fsdp", {"dp_shard": 2}, 1),
-    ("kd-off-tp", {"tp": 2, "sequence_parallel": True}, 2),
-    ("kd-off-cp", {"cp": 2}, 2),
-    ("kd-off-pp-cp", {"pp": 2, "cp": 2}, 2),
-])
-def test_offline_distillation_under_fsdp_tp_cp_and_pp_matches_one_process(root, kd_offline_reference, layout,
-                                                                          parallel, grad_accum):
+@pytest.mark.parametrize("layout", ["kd-off-fsdp", "kd-off-tp", "kd-off-cp", "kd-off-pp-cp"])
+def test_offline_distillation_under_fsdp_tp_cp_and_pp_matches_one_process(root, kd_offline_reference, launched,
+                                                                          layout):
     """Under FSDP the sharded teacher scores the documents chunk by chunk, the chunks dealt to the
     2 ranks, each writing its own files; under TP the tp group scores every chunk together (top-k
     of the vocab-split logits), its first rank writing; under PP the teacher split into the
@@ -525,13 +595,11 @@ def test_offline_distillation_under_fsdp_tp_cp_and_pp_matches_one_process(root, 
     with the teacher attending as an ordinary model (under PP x CP its stages' FSDP units
     gathered), and the held-out KL runs it on the ring. Training reads the same rows as one
     process, the student's loss vocab-parallel under TP."""
-    ref, ref_dir, data = kd_offline_reference, root / "kd-off-ref", {}
-    if "pp" in parallel:  # fixed shapes: micro-batches of rows (its own one-process reference)
-        data, ref_dir = {"data": PP_DATA}, root / "kd-off-pp-ref"
-        ref = in_process(distill_config(root, ref_dir.name, mode="offline", top_k=8, optim=optim(2), **data))
-    cfg = distill_config(root, layout, mode="offline", top_k=8, parallel=parallel, optim=optim(grad_accum), **data)
-    records = torchrun_stage(cfg, root / f".work-{layout}", 4 if "pp" in parallel else 2)
-    assert_same_run(records, ref, root / layout, ref_dir, ("val/kl_initial", "val/kl"))
+    ref, ref_dir = kd_offline_reference, root / "kd-off-ref"
+    if "pp" in layout:  # fixed shapes: micro-batches of rows (its own one-process reference)
+        ref_dir = root / "kd-off-pp-ref"
+        ref = in_process(distill_config(root, ref_dir.name, mode="offline", top_k=8, optim=optim(2), data=PP_DATA))
+    assert_same_run(launched[layout], ref, root / layout, ref_dir, ("val/kl_initial", "val/kl"))
     (one,) = (ref_dir / "teacher_cache").glob("top8-*")
     (two,) = (root / layout / "teacher_cache").glob("top8-*")
     assert one.name == two.name  # the same key: teacher, k and documents
@@ -543,20 +611,14 @@ def test_offline_distillation_under_fsdp_tp_cp_and_pp_matches_one_process(root, 
         assert torch.allclose(x["logps"], y["logps"], atol=1e-5)
 
 
-QLORA = {"enabled": True, "quantize_base": "nf4", "rank": 8}
-
-
 @pytest.fixture(scope="module")
 def qlora_reference(root):
     return in_process(sft_config(root, "qlora-ref", lora=QLORA, optim=optim(2, lr=5e-3)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel,grad_accum", [
-    ("qlora-fsdp", {"dp_shard": 2}, 1),
-    ("qlora-tp", {"tp": 2, "sequence_parallel": True}, 2),
-])
-def test_qlora_sft_under_fsdp_and_tp_matches_one_process(root, qlora_reference, layout, parallel, grad_accum):
+@pytest.mark.parametrize("layout", ["qlora-fsdp", "qlora-tp"])
+def test_qlora_sft_under_fsdp_and_tp_matches_one_process(root, qlora_reference, launched, layout):
     """QLoRA under FSDP (FSDP-QLoRA): the adapters, the dense frozen weights (embedding, norms,
     head) and their optimizer state sharded, and the NF4 base's storage too (each rank keeps its
     piece, core.quant.shard_nf4_storage; forward and backward gather it); killed and resumed, it
@@ -564,23 +626,21 @@ def test_qlora_sft_under_fsdp_and_tp_matches_one_process(root, qlora_reference, 
     again). Under TP each rank computes on its slice of every NF4 weight (core.quant.nf4_shard:
     the same codes and scales, cut where the split cuts the blocks), the adapters split as for a
     dense base."""
-    cfg = sft_config(root, layout, lora=QLORA, parallel=parallel, optim=optim(grad_accum, lr=5e-3))
-    records = torchrun_stage(cfg, root / f".work-{layout}", 2)
-    assert_same_run(records, qlora_reference, root / layout, root / "qlora-ref", ("val/loss_initial", "val/loss"))
+    assert_same_run(launched[layout], qlora_reference, root / layout, root / "qlora-ref",
+                    ("val/loss_initial", "val/loss"))
     if layout == "qlora-fsdp":
-        assert_resume_is_bit_exact(cfg, root / layout, 2)
+        assert_resume_is_bit_exact(layout_config(root, layout), root / layout, LAYOUTS[layout][0])
 
 
 @pytest.mark.slow
-def test_qlora_sft_under_pipeline_parallelism_matches_one_process(root):
+@pytest.mark.parametrize("layout", ["qlora-pp"])
+def test_qlora_sft_under_pipeline_parallelism_matches_one_process(root, launched, layout):
     """QLoRA with its NF4 base split into 2 pipeline stages x 2 tp ranks: each rank quantizes and
     keeps only its stages' layers (its tp slices of them), the adapters train where their layer
     lives; the merged export gathers every stage's share."""
     kw = dict(lora=QLORA, data=PP_DATA)
     ref = in_process(sft_config(root, "qlora-pp-ref", optim=optim(2, lr=5e-3), **kw))
-    cfg = sft_config(root, "qlora-pp", parallel={"pp": 2, "tp": 2}, optim=optim(2, lr=5e-3), **kw)
-    records = torchrun_stage(cfg, root / ".work-qlora-pp", 4)
-    assert_same_run(records, ref, root / "qlora-pp", root / "qlora-pp-ref", ("val/loss_initial", "val/loss"))
+    assert_same_run(launched[layout], ref, root / "qlora-pp", root / "qlora-pp-ref", ("val/loss_initial", "val/loss"))
 
 
 def test_unsupported_layouts_are_refused_when_the_config_loads():
