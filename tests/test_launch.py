@@ -242,10 +242,13 @@ def test_killed_torchrun_takes_its_ranks_along(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_relaunch_waits_for_the_leftovers_of_a_killed_launch(tmp_path):
+def test_a_relaunch_waits_for_the_leftovers_of_a_killed_launch(tmp_path, monkeypatch):
     """A launch from the workdir of a live launch refuses to start; once that launch's process is
     killed outright, its job (ranks that ignore SIGTERM, like a slow final checkpoint) lingers, and
-    the next launch waits for it to be gone before starting its own ranks."""
+    the next launch waits for it to be gone before starting its own ranks: past its wait (its
+    grace plus EARLIER_GRACE_S, here 1 + 3 s instead of 1 + 60, so that torchrun's own 30 s
+    escalation does not end the leftover first) it kills them."""
+    monkeypatch.setattr("stages.launch.job.EARLIER_GRACE_S", 3.0)
     out, work = tmp_path / "out", tmp_path / "w"
     script = textwrap.dedent(f"""
         from pathlib import Path
@@ -271,6 +274,7 @@ def test_a_relaunch_waits_for_the_leftovers_of_a_killed_launch(tmp_path):
     log = result.log_file.read_text()
     (line,) = [ln for ln in log.splitlines() if "of an earlier launch, whose launcher is gone" in ln]
     assert str(workers[0]) in line  # the rank was named among the earlier launch's and waited for,
+    assert f"killing process {workers[0]} of the earlier launch" in log  # then killed,
     assert log.index(line) < log.rindex("stages.launch torchrun")  # before this launch's torchrun started
 
 

@@ -259,29 +259,45 @@ def test_a_downstream_node_names_one_adapter(root, sft_run):
 # ------------------------------------------------------------------------------------- FSDP, TP
 
 
+# name -> (its layout on 2 ranks, micro-batches a step): one process takes 2 micro-batches a step
+SEVERAL_LAYOUTS = {
+    "fsdp": ({"dp_shard": 2}, 1),
+    "tp_sp": ({"tp": 2, "sequence_parallel": True}, 2),
+    "cp": ({"cp": 2}, 2),  # each document's adapter ids cut over the ring with its tokens
+    "pp": ({"pp": 2}, 2),  # the ids laid out as the pipeline's rows, each stage routing its microbatch's
+}
+
+
+def several_cfg(root: Path, name: str, layout: str, accum: int, **kw) -> SFTConfig:
+    """3 steps of the two adapters, data shaped for `layout` (pipeline parallelism: fixed rows)."""
+    data = {"sources": [str(root / "prep")], "max_seq_len": 128,
+            **({"batch_tokens": None, "micro_batch_size": 2} if layout == "pp" else {"batch_tokens": 512})}
+    return sft_cfg(root, name, max_steps=3, optim={"lr": 1e-3, "warmup_steps": 1, "grad_accum_steps": accum},
+                   tracking=TrackingConfig(enabled=False, log_every=1), checkpoint={"interval_steps": 0},
+                   data=data, **kw)
+
+
+@pytest.fixture(scope="module")
+def launched(root, request):
+    """The asked-for layouts of SEVERAL_LAYOUTS in one torchrun launch of 2 ranks, one stage after
+    another (tests.test_stage_parallel.torchrun_batch)."""
+    from tests.test_stage_parallel import Launched, asked_for, torchrun_batch
+
+    wanted = asked_for(request, SEVERAL_LAYOUTS)
+    configs = {n: several_cfg(root, n, n, SEVERAL_LAYOUTS[n][1], parallel=SEVERAL_LAYOUTS[n][0]) for n in wanted}
+    return Launched(torchrun_batch(configs, 2, root / ".work-batch") if configs else {})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,parallel,grad_accum", [
-    ("fsdp", {"dp_shard": 2}, 1),
-    ("tp_sp", {"tp": 2, "sequence_parallel": True}, 2),
-    ("cp", {"cp": 2}, 2),  # each document's adapter ids cut over the ring with its tokens
-    ("pp", {"pp": 2}, 2),  # the ids laid out as the pipeline's rows, each stage routing its microbatch's
-])
-def test_several_adapters_under_torchrun_match_one_process(root, layout, parallel, grad_accum):
+@pytest.mark.parametrize("layout", list(SEVERAL_LAYOUTS))
+def test_several_adapters_under_torchrun_match_one_process(root, launched, layout):
     """2 gloo processes (FSDP dp_shard=2, TP + sequence parallelism, CP or PP) against one process
     with as many micro-batches per step: every step's loss, each adapter's tokens and gradient
     norm, and each exported adapter agree."""
-    from tests.test_stage_parallel import close, in_process, steps_of, torchrun_stage
+    from tests.test_stage_parallel import close, in_process, steps_of
 
-    data = {"sources": [str(root / "prep")], "max_seq_len": 128,
-            **({"batch_tokens": None, "micro_batch_size": 2} if "pp" in parallel else {"batch_tokens": 512})}
-
-    def cfg(name, accum, **kw):
-        return sft_cfg(root, name, max_steps=3, optim={"lr": 1e-3, "warmup_steps": 1, "grad_accum_steps": accum},
-                       tracking=TrackingConfig(enabled=False, log_every=1), checkpoint={"interval_steps": 0},
-                       data=data, **kw)
-
-    records = in_process(cfg(f"one-{layout}", 2))
-    par_records = torchrun_stage(cfg(layout, grad_accum, parallel=parallel), root / f".work-{layout}")
+    records = in_process(several_cfg(root, f"one-{layout}", layout, 2))
+    par_records = launched[layout]
     ref, par = steps_of(records), steps_of(par_records)
     assert sorted(par) == sorted(ref) == [1, 2, 3]
     for step in ref:

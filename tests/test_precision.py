@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,7 +224,7 @@ def test_fp8_converts_the_block_linears_and_trains_emulated():
 
 # -- the stages, one process and torchrun (gloo) ------------------------------------------------------
 
-from test_stage_parallel import STEPS, in_process, optim as stage_optim, root, sft_config, steps_of, torchrun_stage  # noqa: E402,F401,I001
+from test_stage_parallel import STEPS, in_process, optim as stage_optim, root, sft_config, steps_of  # noqa: E402,F401,I001
 
 
 def test_fp8_on_a_cpu_is_refused_before_training(root):
@@ -268,22 +269,47 @@ def test_fp8_emulated_trains_the_sft_stage(root, precision_refs):
     assert losses[-1] < losses[0] and math.isclose(losses[0], bf16[0], rel_tol=5e-2), (losses, bf16)
 
 
+# The runs under torchrun, each on 2 ranks: name -> (mode, layout, micro-batches a step).
+PRECISION_LAYOUTS = {
+    "prec-bf16-fsdp": ("bf16", {"dp_shard": 2}, 1),  # MixedPrecisionPolicy(bf16, reduce fp32) + autocast
+    "prec-bf16-tp": ("bf16", {"tp": 2}, 2),  # autocast over DTensor weights
+    "prec-fp16-ddp": ("fp16", {"dp_replicate": 2, "dp_shard": 1}, 1),  # the loss scale over replicas
+    "prec-fp8-fsdp": ("fp8", {"dp_shard": 2}, 1),  # Float8Linear under FSDP2 (emulated; torchao)
+    "prec-pp": ("bf16", {"pp": 2}, 2),  # the schedule inside each stage rank's autocast, fixed-shape rows
+}
+
+
+def precision_config(root: Path, name: str):
+    from test_stage_parallel import PP_DATA
+
+    mode, parallel, accum = PRECISION_LAYOUTS[name]
+    if name == "prec-pp":
+        return sft_config(root, name, data=PP_DATA, optim=stage_optim(accum), precision=mode, parallel=parallel)
+    return sft_config(root, name, optim=stage_optim(accum), precision={"mode": mode, "fp8_emulate": mode == "fp8"},
+                      parallel=parallel)
+
+
+@pytest.fixture(scope="module")
+def launched(root, request):
+    """The asked-for runs of PRECISION_LAYOUTS in one torchrun launch of 2 ranks, one stage after
+    another (test_stage_parallel.torchrun_batch); fp8 only where torchao is installed."""
+    from test_stage_parallel import Launched, asked_for, torchrun_batch
+
+    wanted = [n for n in asked_for(request, PRECISION_LAYOUTS) if HAS_TORCHAO or PRECISION_LAYOUTS[n][0] != "fp8"]
+    configs = {n: precision_config(root, n) for n in wanted}
+    return Launched(torchrun_batch(configs, 2, root / ".work-batch-precision") if configs else {})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,layout,parallel,grad_accum", [
-    ("bf16", "fsdp", {"dp_shard": 2}, 1),         # MixedPrecisionPolicy(bf16, reduce fp32) + autocast
-    ("bf16", "tp", {"tp": 2}, 2),                 # autocast over DTensor weights
-    ("fp16", "ddp", {"dp_replicate": 2, "dp_shard": 1}, 1),  # the loss scale over replicas
-    pytest.param("fp8", "fsdp", {"dp_shard": 2}, 1, marks=needs_torchao),  # Float8Linear under FSDP2 (emulated)
-])
-def test_mixed_precision_under_torchrun_matches_one_process(root, precision_refs, mode, layout, parallel, grad_accum):
+@pytest.mark.parametrize("layout", ["prec-bf16-fsdp", "prec-bf16-tp", "prec-fp16-ddp",
+                                    pytest.param("prec-fp8-fsdp", marks=needs_torchao)])
+def test_mixed_precision_under_torchrun_matches_one_process(root, precision_refs, launched, layout):
     """Each layout reproduces the one-process run of the same mode within 16-bit rounding: per step
     the same tokens, losses and gradient norms within 2%, exported weights as below."""
     from registry.hf import load_pretrained
 
-    name = f"prec-{mode}-{layout}"
-    precision = {"mode": mode, "fp8_emulate": mode == "fp8"}
-    cfg = sft_config(root, name, optim=stage_optim(grad_accum), precision=precision, parallel=parallel)
-    records = torchrun_stage(cfg, root / f".work-{name}", 2)
+    name, mode = layout, PRECISION_LAYOUTS[layout][0]
+    records = launched[layout]
     ref, got = steps_of(precision_refs[mode]), steps_of(records)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:
@@ -328,7 +354,8 @@ def test_dpo_runs_in_bf16(root):
 
 
 @pytest.mark.slow
-def test_bf16_under_pipeline_parallelism_matches_one_process(root):
+@pytest.mark.parametrize("layout", ["prec-pp"])
+def test_bf16_under_pipeline_parallelism_matches_one_process(root, launched, layout):
     """The schedule runs inside the trainer's autocast on each stage's rank: pp=2 in bf16 against
     one process in bf16 on the same fixed-shape micro-batches (losses and gradient norms within
     2%, the tokens equal)."""
@@ -336,8 +363,7 @@ def test_bf16_under_pipeline_parallelism_matches_one_process(root):
 
     one = steps_of(in_process(sft_config(root, "prec-pp-ref", data=PP_DATA, optim=stage_optim(2), precision="bf16")))
     full = steps_of(in_process(sft_config(root, "prec-pp-full", data=PP_DATA, optim=stage_optim(2))))
-    pp = steps_of(torchrun_stage(sft_config(root, "prec-pp", data=PP_DATA, optim=stage_optim(2), precision="bf16",
-                                            parallel={"pp": 2}), root / ".work-prec-pp", 2))
+    pp = steps_of(launched[layout])
     assert sorted(pp) == sorted(one) == list(range(1, STEPS + 1))
     for s in one:
         assert pp[s]["tokens"] == one[s]["tokens"]

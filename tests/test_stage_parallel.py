@@ -236,16 +236,25 @@ def launched(root, request) -> dict[str, list[dict]]:
     start-up, torchrun and every rank importing torch and the stages, is most of a small stage's
     run: ~7 s of 2 ranks, ~10 s of 4, on 2 cores). {layout: rank 0's metrics records}; a layout
     whose launch failed raises, with the launch's output, when a test asks for it."""
-    wanted = [name for name in LAYOUTS
-              if any(getattr(item, "callspec", None) and item.callspec.params.get("layout") == name
-                     and item.module is request.module for item in request.session.items)]
-    out: dict[str, list[dict]] = {}
+    wanted = asked_for(request, LAYOUTS)
+    out = {}
     for nproc in sorted({LAYOUTS[n][0] for n in wanted}):
-        out.update(torchrun_batch(root, [n for n in wanted if LAYOUTS[n][0] == nproc], nproc))
-    return _Launched(out)
+        out.update(torchrun_batch({n: layout_config(root, n) for n in wanted if LAYOUTS[n][0] == nproc}, nproc,
+                                  root / f".work-batch-{nproc}"))
+    return Launched(out)
 
 
-class _Launched(dict):
+def asked_for(request, names) -> list[str]:
+    """Those of `names` that a collected test of the requesting module has as its `layout`
+    parameter (all of them when the whole module runs; fewer under -k)."""
+    asked = {item.callspec.params.get("layout") for item in request.session.items
+             if item.module is request.module and getattr(item, "callspec", None)}
+    return [n for n in names if n in asked]
+
+
+class Launched(dict):
+    """{layout: records, or why its launch did not finish them (raised when asked for)}."""
+
     def __missing__(self, layout: str):
         raise AssertionError(f"layout {layout!r} was not launched (not asked for by a collected test)")
 
@@ -256,18 +265,19 @@ class _Launched(dict):
         return got
 
 
-def torchrun_batch(root: Path, layouts: list[str], nproc: int) -> dict[str, list[dict] | str]:
-    """Run `layouts` (each LAYOUTS' config) in one torchrun launch of `nproc` ranks; {layout:
-    records}, or the launch's output tail for those it did not finish."""
-    work = root / f".work-batch-{nproc}"
+def torchrun_batch(configs: dict[str, object], nproc: int, work: Path) -> dict[str, list[dict] | str]:
+    """Run the stages of `configs` ({name: stage config}) one after the other in one torchrun
+    launch of `nproc` ranks (one process group); {name: rank 0's metrics records}, or the
+    launch's output tail for those it did not finish."""
+    layouts = list(configs)
     work.mkdir(parents=True, exist_ok=True)
     runs = []
-    for name in layouts:
+    for name, cfg in configs.items():
         spec, metrics, done = work / f"{name}.json", work / f"{name}.metrics.jsonl", work / f"{name}.done"
-        to_json_file(layout_config(root, name), spec)
+        to_json_file(cfg, spec)
         metrics.unlink(missing_ok=True)
         done.unlink(missing_ok=True)
-        runs.append((MODULES[type(layout_config(root, name))], str(spec), str(metrics), str(done)))
+        runs.append((MODULES[type(cfg)], str(spec), str(metrics), str(done)))
     (work / "batch.json").write_text(json.dumps(runs))
     (work / "record_stage.py").write_text(RECORDER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
