@@ -387,6 +387,16 @@ class PipelineDAG:
     def output_dir(self, name: str) -> Path:
         return self.cfg.node_dir(name, self.nodes[name].cfg.output_dir)
 
+    def launcher(self, name: str):
+        """How node `name` is launched (a copy): its own launcher, else the pipeline's; a data-prep
+        node runs as one process whatever the ranks asked for (rank 0 does all of stages.data_prep),
+        which is also what the device pool books for it."""
+        node = self.nodes[name]
+        launcher = (node.cfg.launcher or self.cfg.launcher).model_copy(deep=True)
+        if node.kind == "data_prep":
+            launcher.nproc_per_node = 1
+        return launcher
+
     def spec(self, name: str, upstream: dict[str, Upstream], external: dict[str, str] | None = None) -> StageConfig:
         """Node `name`'s self-contained stage spec: output dir, launcher and tracking filled in, each
         node reference replaced by the upstream's output (`upstream`: name -> Upstream), each
@@ -396,9 +406,7 @@ class PipelineDAG:
         spec.output_dir = str(self.output_dir(name))
         if node.kind == "distill" and spec.teacher_cache is None:  # shared by the nodes and runs of the workspace
             spec.teacher_cache = str(Path(self.cfg.workspace) / ".cache" / "teacher")
-        spec.launcher = spec.launcher or self.cfg.launcher.model_copy(deep=True)
-        if node.kind == "data_prep":  # rank 0 does all of it (stages.data_prep): one process, as the device pool books it
-            spec.launcher = spec.launcher.model_copy(update={"nproc_per_node": 1})
+        spec.launcher = self.launcher(name)
         spec.tracking = spec.tracking or self.cfg.tracking.model_copy(deep=True)
 
         def model_path(src: str, adapter: str | None = None) -> str:

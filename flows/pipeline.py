@@ -147,12 +147,10 @@ def _devices(dag: PipelineDAG, name: str):
     """(what node `name` asks of the device pool or None, the GPUs the pool has)."""
     from flows.resources import needs, visible_gpus
 
-    res, node = dag.cfg.resources, dag.nodes[name].cfg
-    launcher = node.launcher or dag.cfg.launcher
+    res, launcher = dag.cfg.resources, dag.launcher(name)
     gpus = visible_gpus() if res.gpus is None else res.gpus
-    device = getattr(getattr(node, "parallel", None), "device", "cpu")
-    nproc = launcher.nproc_per_node if node.kind != "data_prep" else 1
-    return needs(device, nproc, launcher.kind, gpus), gpus
+    device = getattr(getattr(dag.nodes[name].cfg, "parallel", None), "device", "cpu")
+    return needs(device, launcher.nproc_per_node, launcher.kind, gpus), gpus
 
 
 @task(cache_policy=NO_CACHE, log_prints=True, task_run_name="{name}")

@@ -6,8 +6,8 @@ can be read by from its last lines.
 Two pytest processes: the Triton kernels' tests run under the interpreter (TRITON_INTERPRET=1,
 which must be set before triton is imported: tests/kernels/conftest.py), everything else in the
 first. `--fast` runs the fast tier, `-m "not slow"` (docs/testing.md). Each process writes a JUnit
-XML report; from the two, the last lines printed are the 25 slowest tests, the tests that failed,
-and pytest's own time against the tier's budget:
+XML report; from the two, the last lines printed are the 25 slowest tests, the 15 files that took
+longest, the tests that failed, and pytest's own time against the tier's budget:
 
     full suite: a warning past 25 minutes, a failure (exit 3) past 75 (CI stops at 90: a readable
                 report instead of a kill; 60 once the suite is under 25, issue 38);
@@ -33,6 +33,7 @@ OVER_BUDGET = 3
 # (warn past, fail past) in seconds of pytest time, per tier
 BUDGETS = {"full": (25 * 60, 75 * 60), "fast": (4 * 60, None)}
 SLOWEST = 25
+COSTLIEST_FILES = 15
 
 
 def read_junit(path: Path) -> tuple[list[tuple[float, str]], list[str]]:
@@ -50,6 +51,14 @@ def read_junit(path: Path) -> tuple[list[tuple[float, str]], list[str]]:
         if case.find("failure") is not None or case.find("error") is not None:
             failed.append(tid)
     return times, failed
+
+
+def costliest_files(times: list[tuple[float, str]]) -> list[tuple[str, float, int]]:
+    """(file, seconds, tests) per test file, the costliest first."""
+    per_file: dict[str, list[float]] = {}
+    for secs, tid in times:
+        per_file.setdefault(tid.split("::")[0], []).append(secs)
+    return sorted(((f, sum(t), len(t)) for f, t in per_file.items()), key=lambda r: -r[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n==== run_tests: the {SLOWEST} slowest tests ({tier} tier, set-up and teardown included) ====")
     for secs, tid in sorted(times, reverse=True)[:SLOWEST]:
         print(f"{secs:8.2f}s  {tid}")
+    print(f"==== run_tests: the {COSTLIEST_FILES} costliest files (seconds, tests) ====")
+    for path, secs, n in costliest_files(times)[:COSTLIEST_FILES]:
+        print(f"{secs:8.1f}s  {n:4d}  {path}")
     print(f"==== run_tests: {len(times)} tests, {len(failed)} failed ====")
     for tid in failed:
         print(f"FAILED {tid}")
