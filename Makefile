@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(PY) -m flows.cli demo
+	$(PY) -m posttrain.flows.cli demo
 
 # Both tiers (docs/testing.md) through scripts/run_tests.py: two pytest processes (the Triton
 # kernels run under the interpreter, which must be chosen before triton is imported), then the 25
@@ -53,7 +53,7 @@ test-fast: setup
 	$(PY) scripts/run_tests.py --fast -- $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) -m flows.cli bench all
+	$(PY) -m posttrain.flows.cli bench all
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache test-artifacts

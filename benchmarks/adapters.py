@@ -1,22 +1,22 @@
 """N LoRA adapters trained in one job (one frozen base, each document routed to its adapter) beside
 N separate jobs, each training one adapter on the same documents: tokens/s and peak memory.
 
-    python -m benchmarks.adapters [--quick] [--adapters 2,4,8] [--steps N] [--out file.json]
+    python -m posttrain.benchmarks.adapters [--quick] [--adapters 2,4,8] [--steps N] [--out file.json]
     posttrain bench adapters [--quick] ...
 
 Model: Llama-shaped (hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 704, vocab 4096;
---quick: benchmarks.sft's quick shape), fp32 on CPU, random weights from core.model saved once as
+--quick: posttrain.benchmarks.sft's quick shape), fp32 on CPU, random weights from posttrain.core.model saved once as
 an HF checkpoint; LoRA rank 16, alpha 32 on every linear layer but the output head. The N adapters
-start from the same weights on both sides (saved once in PEFT format by registry.adapters, loaded
-by registry.adapters.load_adapter). AdamW lr 1e-4, weight decay 0.01, constant schedule, no clip.
+start from the same weights on both sides (saved once in PEFT format by posttrain.registry.adapters, loaded
+by posttrain.registry.adapters.load_adapter). AdamW lr 1e-4, weight decay 0.01, constant schedule, no clip.
 
-Data: `docs_per_adapter` documents per adapter per step (benchmarks.sft's realistic lengths:
+Data: `docs_per_adapter` documents per adapter per step (posttrain.benchmarks.sft's realistic lengths:
 lognormal, mean `mean_len`), `warmup` + `steps` steps; adapter k's documents are the same on
 both sides.
 
-  one job    core.trainer.Trainer(adapters=[a0..aN-1]): each step packs all N adapters' documents
+  one job    posttrain.core.trainer.Trainer(adapters=[a0..aN-1]): each step packs all N adapters' documents
              (first-fit decreasing) into micro-batches of at most `token_budget` tokens,
-             collate_padding_free (per-token adapter ids), stages.adapters.routed(sft_objective).
+             collate_padding_free (per-token adapter ids), posttrain.stages.adapters.routed(sft_objective).
   separate   for each adapter, a fresh process: the base plus that adapter alone, a plain Trainer,
              its own documents packed the same way, sft_objective.
 
@@ -43,11 +43,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sft import _in_fresh_process, _maxrss_mb, _rss_mb, documents, write_report
+from posttrain.benchmarks.sft import _in_fresh_process, _maxrss_mb, _rss_mb, documents, write_report
 
 LOSS_RTOL = 1e-4
-PRELOAD = ["torch", "safetensors.torch", "core.model.model", "core.lora", "core.trainer", "core.objectives",
-           "core.data.packing", "registry.hf", "registry.adapters", "stages.adapters"]
+PRELOAD = ["torch", "safetensors.torch", "posttrain.core.model.model", "posttrain.core.lora", "posttrain.core.trainer", "posttrain.core.objectives",
+           "posttrain.core.data.packing", "posttrain.registry.hf", "posttrain.registry.adapters", "posttrain.stages.adapters"]
 FULL: dict[str, Any] = dict(
     model=dict(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                intermediate_size=704, max_position_embeddings=2048, norm_eps=1e-5, family="llama"),
@@ -74,11 +74,11 @@ def export(cfg: dict[str, Any], root: str, n: int) -> dict[str, Any]:
     """The base as an HF checkpoint and n adapters (same init on both sides) in PEFT format."""
     import torch
 
-    from core.lora import apply_lora, count_trainable
-    from core.model.args import ModelArgs
-    from core.model.model import build_model
-    from registry.adapters import save_adapter
-    from registry.hf import save_pretrained
+    from posttrain.core.lora import apply_lora, count_trainable
+    from posttrain.core.model.args import ModelArgs
+    from posttrain.core.model.model import build_model
+    from posttrain.registry.adapters import save_adapter
+    from posttrain.registry.hf import save_pretrained
 
     torch.manual_seed(SEED)
     args = ModelArgs(**cfg["model"])
@@ -100,14 +100,14 @@ def run_job(cfg: dict[str, Any], root: str, adapters: list[int]) -> dict[str, An
     """One process training `adapters` (indices): all at once when several, else that one alone."""
     import torch
 
-    from core.data.encode import Document
-    from core.data.packing import collate_padding_free, pack
-    from core.objectives import sft_objective
-    from core.optim import OptimConfig
-    from core.trainer import Trainer
-    from registry.adapters import load_adapter
-    from registry.hf import load_pretrained
-    from stages.adapters import routed
+    from posttrain.core.data.encode import Document
+    from posttrain.core.data.packing import collate_padding_free, pack
+    from posttrain.core.objectives import sft_objective
+    from posttrain.core.optim import OptimConfig
+    from posttrain.core.trainer import Trainer
+    from posttrain.registry.adapters import load_adapter
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.stages.adapters import routed
 
     t_start, start_rss = time.perf_counter(), _rss_mb()
     torch.manual_seed(SEED)
@@ -143,7 +143,7 @@ def metrics_tokens(per_adapter) -> int:
 
 
 def measure(ctx, cfg: dict[str, Any], n: int) -> dict[str, Any]:
-    from benchmarks import adapters as this  # by module name, so the children can unpickle the functions
+    from posttrain.benchmarks import adapters as this  # by module name, so the children can unpickle the functions
 
     with tempfile.TemporaryDirectory(prefix="bench_adapters_") as root:
         exported = _in_fresh_process(ctx, this.export, cfg, root, n)
@@ -175,7 +175,7 @@ def measure(ctx, cfg: dict[str, Any], n: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.adapters", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m posttrain.benchmarks.adapters", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (for the tests)")
     p.add_argument("--adapters", default="2,4,8", help="comma-separated adapter counts N")
     p.add_argument("--steps", type=int, help="timed steps per job (after the warmup)")

@@ -3,15 +3,15 @@ of the student's shape, forward KL) beside TRL's GKDTrainer + peft, offline (lmb
 on-policy (lmbda 1), on the same weights, teacher, adapter, optimizer and documents, in one run;
 and how close the distillation step comes to its floor, an SFT step on the same tokens.
 
-    python -m benchmarks.distill [--quick] [--steps N] [--reps R] [--out file.json]
+    python -m posttrain.benchmarks.distill [--quick] [--steps N] [--reps R] [--out file.json]
 
 Needs transformers, peft, trl and datasets (pip install 'posttrain[bench]'); exits 2 at once without.
 
-Models: benchmarks.sft's Llama shapes (full: hidden 512, 8 layers, vocab 8192; --quick: hidden 64,
-2 layers, vocab 512), fp32 on CPU, random weights from core.model saved as HF checkpoints
-(registry.hf.save_pretrained): the student with seed 0, the teacher, same shape, with seed 1. The
+Models: posttrain.benchmarks.sft's Llama shapes (full: hidden 512, 8 layers, vocab 8192; --quick: hidden 64,
+2 layers, vocab 512), fp32 on CPU, random weights from posttrain.core.model saved as HF checkpoints
+(posttrain.registry.hf.save_pretrained): the student with seed 0, the teacher, same shape, with seed 1. The
 student's LoRA (rank 16, alpha 32, dropout 0, every linear layer but the head; B = 0) is written in
-PEFT format by registry.adapters.save_adapter (benchmarks.sft.export) and loaded by both sides.
+PEFT format by posttrain.registry.adapters.save_adapter (posttrain.benchmarks.sft.export) and loaded by both sides.
 AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8, no weight decay, constant schedule, no clipping (the
 norm is still computed). Teacher frozen, in eval mode, run under no_grad on both sides.
 
@@ -35,8 +35,8 @@ lengths each ~ lognormal(sigma 1) of mean `prompt_mean` / `completion_mean`, cli
 Each step takes the same documents and micro-batches on every side; the warmup step repeats the
 first timed one's (`steps_of`).
 
-  ours      registry.hf.load_pretrained (student, + registry.adapters.load_adapter; teacher,
-            requires_grad off, eval) and core.trainer.Trainer; per micro-batch Trainer.
+  ours      posttrain.registry.hf.load_pretrained (student, + posttrain.registry.adapters.load_adapter; teacher,
+            requires_grad off, eval) and posttrain.core.trainer.Trainer; per micro-batch Trainer.
             forward_backward(collate_padding_free(docs), distill_objective(teacher, "forward_kl",
             1.0, 0.5, 0.0)) -- the online objective the distill stage builds, called directly (no
             stage launch; the stage's timing hooks are left out): the micro-batch packed padding-
@@ -103,10 +103,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import emit, peer
-from benchmarks.dpo import _text, _tokenizer
-from benchmarks.sft import FULL as SFT_FULL
-from benchmarks.sft import LORA, QUICK as SFT_QUICK, _maxrss_mb, _median, _rss_mb
+from posttrain.benchmarks import emit, peer
+from posttrain.benchmarks.dpo import _text, _tokenizer
+from posttrain.benchmarks.sft import FULL as SFT_FULL
+from posttrain.benchmarks.sft import LORA, QUICK as SFT_QUICK, _maxrss_mb, _median, _rss_mb
 
 SEED, TEACHER_SEED = 0, 1  # the student's (and data's), the teacher's weights
 EOS = 0  # every completion ends with it; also the pad id
@@ -126,8 +126,8 @@ SECOND_LOSS_RTOL = 5e-3
 TARGETS = {"sft_step_ratio": ("<=", 1.4)}
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "peft.tuners.lora",
            "datasets", "accelerate", "trl", "trl.experimental.gkd", "safetensors.torch", "tokenizers",
-           "core.model.model", "core.lora", "core.trainer", "core.objectives", "core.data.packing",
-           "registry.hf", "registry.adapters"]
+           "posttrain.core.model.model", "posttrain.core.lora", "posttrain.core.trainer", "posttrain.core.objectives", "posttrain.core.data.packing",
+           "posttrain.registry.hf", "posttrain.registry.adapters"]
 # The GKD data format: the conversation's text, the contents joined by spaces (no role markers)
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
@@ -197,12 +197,12 @@ def labels_of(doc: Doc) -> list[int]:
 
 
 def export(cfg: dict[str, Any], model_dir: str, adapter_dir: str, teacher_dir: str) -> dict[str, Any]:
-    """The student and its adapter (benchmarks.sft.export), and a teacher of the same shape with
+    """The student and its adapter (posttrain.benchmarks.sft.export), and a teacher of the same shape with
     other random weights: the checkpoints both sides load."""
-    from benchmarks.sft import export as export_student
-    from core.model.args import ModelArgs
-    from core.model.model import build_model
-    from registry.hf import save_pretrained
+    from posttrain.benchmarks.sft import export as export_student
+    from posttrain.core.model.args import ModelArgs
+    from posttrain.core.model.model import build_model
+    from posttrain.registry.hf import save_pretrained
 
     out = export_student(cfg, model_dir, adapter_dir)
     save_pretrained(build_model(ModelArgs(**cfg["model"]), seed=TEACHER_SEED), teacher_dir)
@@ -234,17 +234,17 @@ def _posttrain(dirs: dict[str, str], steps, sft: bool, new_tokens: int = 0):
     """new_tokens > 0: on-policy (module doc: ours_on_policy)."""
     import torch
 
-    from core.data.encode import Document
-    from core.data.packing import collate_padding_free
-    from core.generation.engine import engine_generate
-    from core.model.generate import SamplingParams
-    from core.objectives import distill_objective, sft_objective
-    from core.optim import OptimConfig
-    from core.trainer import Trainer
-    from registry.adapters import load_adapter
-    from registry.hf import load_pretrained
-    from stages.config import ParallelConfig
-    from stages.training import sampling
+    from posttrain.core.data.encode import Document
+    from posttrain.core.data.packing import collate_padding_free
+    from posttrain.core.generation.engine import engine_generate
+    from posttrain.core.model.generate import SamplingParams
+    from posttrain.core.objectives import distill_objective, sft_objective
+    from posttrain.core.optim import OptimConfig
+    from posttrain.core.trainer import Trainer
+    from posttrain.registry.adapters import load_adapter
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.stages.config import ParallelConfig
+    from posttrain.stages.training import sampling
 
     model = load_pretrained(dirs["model"])
     load_adapter(model, dirs["adapter"])
@@ -252,7 +252,7 @@ def _posttrain(dirs: dict[str, str], steps, sft: bool, new_tokens: int = 0):
                       total_steps=len(steps))
     if sft:
         objective = sft_objective
-    else:  # frozen as stages.recipe.parallelize_frozen leaves it on one process
+    else:  # frozen as posttrain.stages.recipe.parallelize_frozen leaves it on one process
         teacher = load_pretrained(dirs["teacher"]).requires_grad_(False).eval()
         objective = distill_objective(teacher, DIVERGENCE, TEMPERATURE, JSD_BETA, CE_WEIGHT)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=(EOS,))
@@ -260,7 +260,7 @@ def _posttrain(dirs: dict[str, str], steps, sft: bool, new_tokens: int = 0):
     def documents(step: list[list[Doc]]) -> list[list]:
         if not new_tokens:
             return [[Document(p + c, labels_of((p, c))) for p, c in micro] for micro in step]
-        prompts = [p for micro in step for p, _ in micro]  # the step's, in one call (as stages.distill)
+        prompts = [p for micro in step for p, _ in micro]  # the step's, in one call (as posttrain.stages.distill)
         with torch.no_grad(), sampling(model, ParallelConfig()):
             gens = iter(engine_generate(model, prompts, params))
         model.train()
@@ -432,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 2
 
-    from benchmarks import distill as this  # by module name, so the children can unpickle the functions
-    from stages.config import DistillConfig
+    from posttrain.benchmarks import distill as this  # by module name, so the children can unpickle the functions
+    from posttrain.stages.config import DistillConfig
 
     if tuple(DistillConfig.model_fields[k].default for k in ("divergence", "temperature", "ce_weight")) != \
             (DIVERGENCE, TEMPERATURE, CE_WEIGHT):  # the stage's defaults are what is benchmarked

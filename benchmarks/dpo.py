@@ -2,16 +2,16 @@
 the same weights, adapter, optimizer and preference pairs, in one run; and how close posttrain's
 DPO step comes to its floor, an SFT step on the same tokens.
 
-    python -m benchmarks.dpo [--quick] [--steps N] [--reps R] [--out file.json]
+    python -m posttrain.benchmarks.dpo [--quick] [--steps N] [--reps R] [--out file.json]
 
 Needs transformers, peft, trl and datasets for the TRL side (pip install 'posttrain[bench]'); it
 says so and exits with status 2, before any work, when one is missing.
 
-Model: benchmarks.sft's Llama shapes (full: hidden 512, 8 layers, vocab 8192; --quick: hidden 64,
-2 layers, vocab 512), fp32 on CPU, random weights from core.model saved once as an HF checkpoint
-(registry.hf.save_pretrained), LoRA rank 16, alpha 32, dropout 0, every linear layer but the
+Model: posttrain.benchmarks.sft's Llama shapes (full: hidden 512, 8 layers, vocab 8192; --quick: hidden 64,
+2 layers, vocab 512), fp32 on CPU, random weights from posttrain.core.model saved once as an HF checkpoint
+(posttrain.registry.hf.save_pretrained), LoRA rank 16, alpha 32, dropout 0, every linear layer but the
 output head. Both sides start from the SAME adapter: posttrain's initial one (B = 0), written in
-PEFT format by registry.adapters.save_adapter (benchmarks.sft.export) and loaded by both.
+PEFT format by posttrain.registry.adapters.save_adapter (posttrain.benchmarks.sft.export) and loaded by both.
 AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8, no weight decay, constant schedule, no clipping (the
 gradient norm is still computed: clipping at infinity on both sides). DPO: beta 0.1, sigmoid
 loss, reference = the base model, i.e. the policy with its adapter disabled, on both sides.
@@ -22,12 +22,12 @@ random token ids in [1, vocab), each completion ending in the EOS id 0; every co
 a target. Each step takes the same pairs, in the same micro-batches, on both sides; the warmup's
 first step repeats the first timed step's pairs (for the loss check, `steps_of`).
 
-  ours      registry.hf.load_pretrained + registry.adapters.load_adapter; core.trainer.Trainer;
+  ours      posttrain.registry.hf.load_pretrained + posttrain.registry.adapters.load_adapter; posttrain.core.trainer.Trainer;
             per micro-batch Trainer.forward_backward(collate_preference(pairs), dpo_objective(
-            0.1, "sigmoid", reference=stages.dpo.live_reference(model))) -- the objective and the
+            0.1, "sigmoid", reference=posttrain.stages.dpo.live_reference(model))) -- the objective and the
             live 'disable_adapter' reference the DPO stage builds, called directly (no stage
             launch): chosen and rejected packed padding-free in one row, one policy forward +
-            backward and one no-grad forward under core.lora.disable_adapter; then
+            backward and one no-grad forward under posttrain.core.lora.disable_adapter; then
             Trainer.optim_step (loss = sum over pairs / the step's pairs).
   trl       AutoModelForCausalLM.from_pretrained(attn_implementation="sdpa", fp32) handed to
             trl.DPOTrainer with peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=
@@ -70,7 +70,7 @@ Measures
   sft_step_ratio_precomputed
                  the same for a fourth side, `ours_precomputed`: the stage's reference
                  'precomputed' (every step's reference log-probs computed once before training,
-                 untimed, as stages.dpo does; `reference_precompute_s` is that one-time cost), so a
+                 untimed, as posttrain.stages.dpo does; `reference_precompute_s` is that one-time cost), so a
                  step is the policy's forward + backward alone: ideally <= 1.1.
   loss_check     step 0: policy == reference on both sides, so both losses are log 2 (within
                  FIRST_LOSS_ATOL); that alone proves nothing, so the step-0 gradient norm (the
@@ -91,9 +91,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import emit, peer
-from benchmarks.sft import FULL as SFT_FULL
-from benchmarks.sft import LORA, QUICK as SFT_QUICK, _maxrss_mb, _rss_mb
+from posttrain.benchmarks import emit, peer
+from posttrain.benchmarks.sft import FULL as SFT_FULL
+from posttrain.benchmarks.sft import LORA, QUICK as SFT_QUICK, _maxrss_mb, _rss_mb
 
 BETA = 0.1
 LOSS_TYPE = "sigmoid"
@@ -113,8 +113,8 @@ TARGETS = {"sft_step_ratio": ("<=", 1.4), "sft_step_ratio_precomputed": ("<=", 1
 EXTRA_SIDES = ("ours_precomputed",)
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "peft.tuners.lora",
            "datasets", "accelerate", "trl", "trl.trainer.dpo_trainer", "safetensors.torch", "tokenizers",
-           "core.model.model", "core.lora", "core.trainer", "core.objectives", "core.data.packing",
-           "registry.hf", "registry.adapters", "stages.dpo"]
+           "posttrain.core.model.model", "posttrain.core.lora", "posttrain.core.trainer", "posttrain.core.objectives", "posttrain.core.data.packing",
+           "posttrain.registry.hf", "posttrain.registry.adapters", "posttrain.stages.dpo"]
 
 FULL: dict[str, Any] = dict(
     model=SFT_FULL["model"], prompt_mean=128, completion_mean=192, min_len=8, prompt_max=512, completion_max=768,
@@ -211,21 +211,21 @@ def run_side(side: str, cfg: dict[str, Any], dirs: dict[str, str], work: str) ->
 def _posttrain(cfg, model_dir, adapter_dir, steps, side: str):
     import torch
 
-    from core.data.encode import PreferencePair
-    from core.data.packing import collate_padding_free, collate_preference
-    from core.objectives import dpo_objective, sft_objective
-    from core.optim import OptimConfig
-    from core.trainer import Trainer
-    from registry.adapters import load_adapter
-    from registry.hf import load_pretrained
-    from stages.dpo import live_reference
+    from posttrain.core.data.encode import PreferencePair
+    from posttrain.core.data.packing import collate_padding_free, collate_preference
+    from posttrain.core.objectives import dpo_objective, sft_objective
+    from posttrain.core.optim import OptimConfig
+    from posttrain.core.trainer import Trainer
+    from posttrain.registry.adapters import load_adapter
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.stages.dpo import live_reference
 
     model = load_pretrained(model_dir)
     load_adapter(model, adapter_dir)
     optim = OptimConfig(**OPTIM, warmup_steps=0, schedule="constant", max_grad_norm=None)
     trainer = Trainer(model, optim, total_steps=len(steps))
     sft, precomputed = side == "ours_sft", side == "ours_precomputed"
-    # the stage's objective with reference 'disable_adapter' or 'precomputed' (stages.dpo.DPO.setup)
+    # the stage's objective with reference 'disable_adapter' or 'precomputed' (posttrain.stages.dpo.DPO.setup)
     reference = live_reference(model)
     objective = sft_objective if sft else dpo_objective(BETA, LOSS_TYPE, reference=None if precomputed else reference)
     built = [[[PreferencePair(p, c, list(c), r, list(r)) for p, c, r in micro] for micro in step] for step in steps]
@@ -390,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     a, cfg = peer.parse("dpo", __doc__.split("\n\n")[0], FULL, QUICK, argv)
     if cfg is None:
         return 2
-    from benchmarks import dpo as this  # by module name, so the children can unpickle the functions
-    from benchmarks import sft
+    from posttrain.benchmarks import dpo as this  # by module name, so the children can unpickle the functions
+    from posttrain.benchmarks import sft
 
     sides = peer.run_sides("dpo", cfg, PRELOAD, sft.export, ("model", "adapter"), this.run_side, EXTRA_SIDES)
     timed = sum(step_tokens(s) for s in steps_of(cfg)[cfg["warmup"]:])

@@ -1,12 +1,12 @@
-"""Generation throughput: the paged, continuously batched engine (core.generation.Engine) beside
-the static-cache sampler the stages use today (core.model.generate) and transformers' `generate`,
+"""Generation throughput: the paged, continuously batched engine (posttrain.core.generation.Engine) beside
+the static-cache sampler the stages use today (posttrain.core.model.generate) and transformers' `generate`,
 on the same model and prompts.
 
-    python -m benchmarks.generate [--models debug smollm2-135m] [--batches 1 16 64] [--samples 4 8]
+    python -m posttrain.benchmarks.generate [--models debug smollm2-135m] [--batches 1 16 64] [--samples 4 8]
                                   [--new-tokens 32] [--reps 1] [--dtype float32] [--out file.json]
     posttrain bench generate [...]
 
-Model: a core.model preset with random weights (seed 0), saved once as an HF checkpoint that
+Model: a posttrain.core.model preset with random weights (seed 0), saved once as an HF checkpoint that
 transformers loads (LlamaForCausalLM, sdpa attention); every side runs it in --dtype (fp32 by
 default; bfloat16 for the matrix units of CPUs that have them, where greedy tokens may then differ
 between sides by rounding). Prompts: random token ids,
@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import emit
+from posttrain.benchmarks import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("engine", "static", "transformers", "floor")
@@ -67,9 +67,9 @@ def _run(side: str, models: dict, prompts: list[list[int]], new: int, n: int, gr
     """(token lists, seconds) of one side on one case."""
     import torch
 
-    from core.generation import Engine, RequestParams
-    from core.generation.engine import pool_blocks
-    from core.model.generate import SamplingParams, generate
+    from posttrain.core.generation import Engine, RequestParams
+    from posttrain.core.generation.engine import pool_blocks
+    from posttrain.core.model.generate import SamplingParams, generate
 
     ours, hf = models["ours"], models["hf"]
     temp = 0.0 if greedy else 1.0
@@ -156,8 +156,8 @@ def measure(side: str, path: Path, prompts, new: int, n: int, greedy: bool, reps
 
 def save(name: str, workdir: Path) -> Path:
     """The preset with random weights (seed 0) as an HF checkpoint directory."""
-    from core.model import build_model, get_preset
-    from registry.hf import save_pretrained
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.hf import save_pretrained
 
     save_pretrained(build_model(get_preset(name), seed=0), workdir / name)
     return workdir / name
@@ -168,7 +168,7 @@ def load(path: Path, dtype: str = "float32") -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from registry.hf import load_pretrained
+    from posttrain.registry.hf import load_pretrained
 
     dt = getattr(torch, dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation="sdpa").eval()
@@ -187,11 +187,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="which sides to run (speedups and shares only where both sides ran)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    doc: dict = {"command": "python -m benchmarks.generate " + " ".join(argv if argv is not None else sys.argv[1:]),
+    doc: dict = {"command": "python -m posttrain.benchmarks.generate " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "cpus": os.cpu_count(), "new_tokens": args.new_tokens, "dtype": args.dtype, "models": {}}
     with tempfile.TemporaryDirectory(prefix="bench_generate.") as tmp:
         for name in args.models:
-            from core.model import get_preset
+            from posttrain.core.model import get_preset
 
             path = save(name, Path(tmp))
             args_ = get_preset(name)

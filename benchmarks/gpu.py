@@ -1,13 +1,13 @@
 """The GPU benchmark: one command, one JSON document, a few minutes on one H100/H200-class GPU.
 
-    python -m benchmarks.gpu [--out file.json] [--sections mfu kernels fp8 generate] [--dry-run]
+    python -m posttrain.benchmarks.gpu [--out file.json] [--sections mfu kernels fp8 generate] [--dry-run]
 
 Sections (each a list of cases; a case that cannot run says why instead of failing the rest):
 
   mfu       full SFT of a ~1.2B Llama shape (Llama 3.2 1B's: hidden 2048, 16 layers, 32 heads,
             8 KV heads, intermediate 8192, vocab 128256, tied embeddings) with precision bf16
             (float32 master weights, fused AdamW), kernels 'auto' (Triton), micro-batch 4 x 2048
-            tokens: tokens/s and MFU against the GPU's dense bf16 peak (core.monitor.PEAK_FLOPS;
+            tokens: tokens/s and MFU against the GPU's dense bf16 peak (posttrain.core.monitor.PEAK_FLOPS;
             goal >= 50%), peak CUDA memory.
   kernels   the same model's training step with posttrain's Triton kernels (kernels 'auto'), its
             torch references (kernels 'torch'), the references under torch.compile (each block),
@@ -15,7 +15,7 @@ Sections (each a list of cases; a case that cannot run says why instead of faili
             beside plain transformers, where liger_kernel and transformers import: ms/step, peak memory.
   fp8       precision fp8 (torchao Float8Linear, dynamic tensorwise scaling) against bf16 on the same
             model and batch: tokens/s, peak memory, first losses (should agree to ~1e-2).
-  generate  core.generation.Engine greedy decoding on the 1.2B shape: 64 prompts of 128 tokens, 128
+  generate  posttrain.core.generation.Engine greedy decoding on the 1.2B shape: 64 prompts of 128 tokens, 128
             new tokens each (batch 64), and 16 prompts x n=8 samples: generated tokens/s.
 
 Without CUDA the script stops at once (exit 2) saying so; `--dry-run` runs every section on the CPU
@@ -28,7 +28,7 @@ liger-kernel), carry their wheels (see /work/.library/device/README.md: `pip dow
 typing-inspection torchao liger-kernel`) and run
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
-    PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out $OUT/gpu.json
+    PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 -m posttrain.benchmarks.gpu --out $OUT/gpu.json
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from benchmarks import emit
+from posttrain.benchmarks import emit
 
 SECTIONS = ("mfu", "kernels", "fp8", "generate")
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
@@ -82,24 +82,24 @@ class Setup:
 
 
 def _args(setup: Setup):
-    from core.model.args import ModelArgs
+    from posttrain.core.model.args import ModelArgs
 
     known = ModelArgs.__dataclass_fields__
     return ModelArgs(**{k: v for k, v in setup.model.items() if k in known})
 
 
 def train_case(setup: Setup, mode: str = "bf16", kernels: str = "auto", compile: bool = False) -> dict[str, Any]:
-    """Steps of full SFT through core.trainer.Trainer as the stages drive it."""
+    """Steps of full SFT through posttrain.core.trainer.Trainer as the stages drive it."""
     import torch
 
-    from core.losses import chunked_cross_entropy, num_target_tokens
-    from core.model import build_model
-    from core.monitor import flops_per_token, peak_flops
-    from core.optim import OptimConfig
-    from core.parallel.data_parallel import apply_compile
-    from core.precision import LossScaler, PrecisionConfig, autocast_dtype, convert_fp8, upcast_trainable
-    from core.trainer import LossOutput, Trainer
-    from kernels.dispatch import set_mode
+    from posttrain.core.losses import chunked_cross_entropy, num_target_tokens
+    from posttrain.core.model import build_model
+    from posttrain.core.monitor import flops_per_token, peak_flops
+    from posttrain.core.optim import OptimConfig
+    from posttrain.core.parallel.data_parallel import apply_compile
+    from posttrain.core.precision import LossScaler, PrecisionConfig, autocast_dtype, convert_fp8, upcast_trainable
+    from posttrain.core.trainer import LossOutput, Trainer
+    from posttrain.kernels.dispatch import set_mode
 
     set_mode(kernels)
     setup.reset_memory()
@@ -183,8 +183,8 @@ def liger_case(setup: Setup, liger: bool) -> dict[str, Any]:
 def generate_case(setup: Setup) -> dict[str, Any]:
     import torch
 
-    from core.generation import Engine, RequestParams
-    from core.model import build_model
+    from posttrain.core.generation import Engine, RequestParams
+    from posttrain.core.model import build_model
 
     prompts_n, prompt_len, new, n = setup.gen
     torch.manual_seed(0)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
-        print("benchmarks.gpu: no CUDA GPU here (torch.cuda.is_available() is False); run it on a GPU machine, "
+        print("posttrain.benchmarks.gpu: no CUDA GPU here (torch.cuda.is_available() is False); run it on a GPU machine, "
               "or with --dry-run to check the script on the CPU", file=sys.stderr)
         return 2
     setup = Setup(args.dry_run)

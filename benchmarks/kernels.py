@@ -1,6 +1,6 @@
 """Kernel benchmarks: each posttrain op beside torch eager, torch.compile and Liger, in one run.
 
-    python -m benchmarks.kernels [--device cpu|cuda] [--quick] [--out file.json] [--ops a,b]
+    python -m posttrain.benchmarks.kernels [--device cpu|cuda] [--quick] [--out file.json] [--ops a,b]
 
 Prints one JSON document: run metadata and `records`, one per (op, shape, impl) with
     op, shape, dtype, impl, status, ms, peak_mem_bytes, ms_vs_eager, mem_vs_eager,
@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
-from core import losses
+from posttrain.core import losses
 
 OPS = ("fused_linear_cross_entropy", "fused_linear_logps", "fused_linear_distill", "flash_attn_varlen",
        "rms_norm", "apply_rope", "swiglu", "lora_linear", "dequantize_nf4")
@@ -69,7 +69,7 @@ def _liger(device: str, what: str, get: Callable[[], Callable]) -> Callable | st
 
 
 def _fused_linear_ce(s, device, dtype):
-    from kernels.fused_linear_ce import fused_linear_cross_entropy as ours
+    from posttrain.kernels.fused_linear_ce import fused_linear_cross_entropy as ours
 
     n, h, v = s["tokens"], s["hidden"], s["vocab"]
     hidden, weight = _leaf((1, n, h), device, dtype), _leaf((v, h), device, dtype, h**-0.5)
@@ -82,7 +82,7 @@ def _fused_linear_ce(s, device, dtype):
         return lambda x, w, y: fn(w, x.view(-1, x.shape[-1]), _shifted(y).view(-1))
 
     return Bench((hidden, weight, labels), ours,
-                 lambda x, w, y: losses.cross_entropy(x @ w.T, y), importlib.import_module("kernels.fused_linear_ce"),
+                 lambda x, w, y: losses.cross_entropy(x @ w.T, y), importlib.import_module("posttrain.kernels.fused_linear_ce"),
                  {"chunked_torch": lambda x, w, y: losses.chunked_cross_entropy(x, w, y),
                   "liger": _liger(device, "fused linear CE", liger)})
 
@@ -92,19 +92,19 @@ def _shifted(labels):
 
 
 def _fused_linear_logps(s, device, dtype):
-    from kernels.fused_linear_kl import fused_linear_logps as ours
+    from posttrain.kernels.fused_linear_kl import fused_linear_logps as ours
 
     n, h, v = s["tokens"], s["hidden"], s["vocab"]
     hidden, weight = _leaf((1, n, h), device, dtype), _leaf((v, h), device, dtype, h**-0.5)
     labels = torch.randint(0, v, (1, n), device=device)
     return Bench((hidden, weight, labels), ours, lambda x, w, y: losses.token_logps(x @ w.T, y),
-                 importlib.import_module("kernels.fused_linear_kl"),
+                 importlib.import_module("posttrain.kernels.fused_linear_kl"),
                  {"chunked_torch": lambda x, w, y: losses.chunked_token_logps(x, w, y),
                   "liger": "no Liger per-token log-prob op"})
 
 
 def _fused_linear_distill(s, device, dtype):
-    from kernels.fused_linear_kl import fused_linear_distill as ours
+    from posttrain.kernels.fused_linear_kl import fused_linear_distill as ours
 
     n, hs, ht, v = s["tokens"], s["student_hidden"], s["teacher_hidden"], s["vocab"]
     sh, sw = _leaf((n, hs), device, dtype), _leaf((v, hs), device, dtype, hs**-0.5)
@@ -121,13 +121,13 @@ def _fused_linear_distill(s, device, dtype):
 
     return Bench((sh, sw, th, tw, mask), lambda a, b, c, d, m: ours(a, b, c, d, m, kind, temp, beta),
                  lambda a, b, c, d, m: losses.distill_loss(a @ b.T, c @ d.T, kind, temp, beta, m),
-                 importlib.import_module("kernels.fused_linear_kl"),
+                 importlib.import_module("posttrain.kernels.fused_linear_kl"),
                  {"chunked_torch": lambda a, b, c, d, m: losses.chunked_distill_loss(a, b, c, d, kind, temp, beta, m),
                   "liger": _liger(device, "fused linear JSD", liger)})
 
 
 def _flash_attn_varlen(s, device, dtype):
-    mod = importlib.import_module("kernels.flash_attention")
+    mod = importlib.import_module("posttrain.kernels.flash_attention")
     docs, length, nh, nkv, hd = s["docs"], s["doc_len"], s["heads"], s["kv_heads"], s["head_dim"]
     # ragged documents around doc_len, summing to docs * doc_len
     lens = [length + (length // 4) * (1 if i % 2 else -1) for i in range(docs)]
@@ -153,7 +153,7 @@ def _flash_attn_varlen(s, device, dtype):
 
 
 def _rms_norm(s, device, dtype):
-    mod = importlib.import_module("kernels.rmsnorm")
+    mod = importlib.import_module("posttrain.kernels.rmsnorm")
     x, w = _leaf((s["tokens"], s["hidden"]), device, dtype), _leaf((s["hidden"],), device, dtype)
 
     def liger():
@@ -166,8 +166,8 @@ def _rms_norm(s, device, dtype):
 
 
 def _apply_rope(s, device, dtype):
-    mod = importlib.import_module("kernels.rope")
-    from core.model.rope import rope_cos_sin, rope_frequencies
+    mod = importlib.import_module("posttrain.kernels.rope")
+    from posttrain.core.model.rope import rope_cos_sin, rope_frequencies
 
     b, t, nh, nkv, hd = s["batch"], s["seq"], s["heads"], s["kv_heads"], s["head_dim"]
     q, k = _leaf((b, nh, t, hd), device, dtype), _leaf((b, nkv, t, hd), device, dtype)
@@ -184,7 +184,7 @@ def _apply_rope(s, device, dtype):
 
 
 def _swiglu(s, device, dtype):
-    mod = importlib.import_module("kernels.swiglu")
+    mod = importlib.import_module("posttrain.kernels.swiglu")
     gate, up = (_leaf((s["tokens"], s["intermediate"]), device, dtype) for _ in range(2))
 
     def liger():
@@ -196,7 +196,7 @@ def _swiglu(s, device, dtype):
 
 
 def _lora_linear(s, device, dtype):
-    mod = importlib.import_module("kernels.lora")
+    mod = importlib.import_module("posttrain.kernels.lora")
     n, din, dout, r = s["tokens"], s["in"], s["out"], s["rank"]
     x = _leaf((n, din), device, dtype)
     w = _leaf((dout, din), device, dtype, din**-0.5, grad=False)  # the frozen base
@@ -207,9 +207,9 @@ def _lora_linear(s, device, dtype):
 
 
 def _dequantize_nf4(s, device, dtype):
-    mod = importlib.import_module("kernels.nf4")
-    from core.quant import dequantize_nf4 as reference
-    from core.quant import quantize_nf4
+    mod = importlib.import_module("posttrain.kernels.nf4")
+    from posttrain.core.quant import dequantize_nf4 as reference
+    from posttrain.core.quant import quantize_nf4
 
     nf4 = quantize_nf4(torch.randn(s["out"], s["in"], device=device).to(dtype))
     return Bench((nf4,), lambda t: mod.dequantize_nf4(t, dtype), lambda t: reference(t, dtype), mod,

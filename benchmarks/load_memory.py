@@ -1,14 +1,14 @@
 """Peak host memory per rank while a training stage loads its policy under FSDP, before and after
 sharded loading, on CPU (gloo).
 
-    python -m benchmarks.load_memory [--models smollm2-135m qwen2.5-0.5b] [--nproc 4]
+    python -m posttrain.benchmarks.load_memory [--models smollm2-135m qwen2.5-0.5b] [--nproc 4]
                                      [--cases bfloat16:float32 float32:float32 ...]
                                      [--workdir DIR] [--out file.json]
 
-Models: presets of public shapes (core.model.args): smollm2-135m (SmolLM-135M: hidden 576, 30
+Models: presets of public shapes (posttrain.core.model.args): smollm2-135m (SmolLM-135M: hidden 576, 30
 layers, 9 heads, 3 KV heads, intermediate 1536, vocab 49152, tied) and qwen2.5-0.5b (Qwen2-0.5B:
 hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, qkv bias, tied),
-random weights (build_model, seed 0) saved once with registry.hf.save_pretrained as one
+random weights (build_model, seed 0) saved once with posttrain.registry.hf.save_pretrained as one
 `model.safetensors`, kept in --workdir (a temporary directory by default). A case is
 `checkpoint dtype:model dtype` (ModelConfig.dtype): bfloat16:float32 is a published checkpoint
 (HF ships these in bf16) trained in fp32 on CPU, the stages' default; float32:float32 converts
@@ -16,10 +16,10 @@ nothing.
 
 Each (model, path) runs once under `torchrun --standalone --nproc-per-node N`, FSDP over all N
 ranks (parallel.dp_shard=N), the stage's own functions in open_session's order, no LoRA:
-  old  stages.common.load_model (registry.hf.load_pretrained: every tensor whole on every rank),
-       then stages.recipe.parallelize_policy (fully_shard keeps each rank's rows)
-  new  load_model(meta=True), parallelize_policy, stages.common.materialize_model (this rank's
-       shards allocated, then read from the memory-mapped file's slices: registry.hf_sharded)
+  old  posttrain.stages.common.load_model (posttrain.registry.hf.load_pretrained: every tensor whole on every rank),
+       then posttrain.stages.recipe.parallelize_policy (fully_shard keeps each rank's rows)
+  new  load_model(meta=True), parallelize_policy, posttrain.stages.common.materialize_model (this rank's
+       shards allocated, then read from the memory-mapped file's slices: posttrain.registry.hf_sharded)
 Per rank: peak_rss_mb = ru_maxrss (getrusage RUSAGE_SELF: the kernel's high-water mark of
 resident memory, file-backed pages of the mapped checkpoint included) at the end;
 rss_before_mb = RSS after imports and the process group, just before loading; added_mb = peak -
@@ -31,8 +31,8 @@ happens at a time; run it on an otherwise idle machine.
 
 --qlora measures QLoRA's load instead (NF4 base, double quant, LoRA r16 on every linear layer):
 old = the whole dense model on every rank, then apply_lora quantizes it; new =
-stages.common.load_quantized (built on meta, each targeted weight read from the mapped file just
-before it is quantized, then the dense rest). Both then shard under FSDP (core.quant's NF4
+posttrain.stages.common.load_quantized (built on meta, each targeted weight read from the mapped file just
+before it is quantized, then the dense rest). Both then shard under FSDP (posttrain.core.quant's NF4
 storage pieces); shard_mb counts buffers too (the NF4 codes and scales are buffers).
 
 Why float32:float32 barely differs: safetensors' get_tensor returns tensors backed by the
@@ -101,11 +101,11 @@ def worker(path: str, model_dir: str, dtype: str, out: str, qlora: bool = False)
     import torch
     import torch.distributed as dist
 
-    from core.lora import apply_lora
-    from core.parallel.materialize import local_part
-    from stages.common import load_model, load_quantized, materialize_model, start_distributed
-    from stages.config import SFTConfig
-    from stages.recipe import parallelize_policy
+    from posttrain.core.lora import apply_lora
+    from posttrain.core.parallel.materialize import local_part
+    from posttrain.stages.common import load_model, load_quantized, materialize_model, start_distributed
+    from posttrain.stages.config import SFTConfig
+    from posttrain.stages.recipe import parallelize_policy
 
     world = int(os.environ["WORLD_SIZE"])
     cfg = SFTConfig(model={"name_or_path": model_dir, "dtype": dtype},
@@ -141,8 +141,8 @@ def worker(path: str, model_dir: str, dtype: str, out: str, qlora: bool = False)
 def make_checkpoint(name: str, dtype: str, workdir: Path) -> Path:
     import torch
 
-    from core.model import build_model, get_preset
-    from registry.hf import save_pretrained
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.hf import save_pretrained
 
     path = workdir / f"{name}-{dtype}"
     if not (path / "config.json").exists():
@@ -155,7 +155,7 @@ def make_checkpoint(name: str, dtype: str, workdir: Path) -> Path:
 def measure(path: str, model_dir: Path, dtype: str, nproc: int, workdir: Path, qlora: bool = False) -> list[dict]:
     out = workdir / f"ranks-{path}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "benchmarks.load_memory", "--worker", path, "--model-dir", str(model_dir), "--dtype", dtype,
+           "-m", "posttrain.benchmarks.load_memory", "--worker", path, "--model-dir", str(model_dir), "--dtype", dtype,
            "--ranks-out", str(out), *(["--qlora"] if qlora else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -182,7 +182,7 @@ def summary(ranks: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=list(MODELS), help="core.model presets")
+    p.add_argument("--models", nargs="+", default=list(MODELS), help="posttrain.core.model presets")
     p.add_argument("--nproc", type=int, default=4, help="ranks (FSDP over all of them)")
     p.add_argument("--cases", nargs="+", default=list(CASES[:2]), choices=CASES,
                    help="checkpoint dtype:model dtype")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the JSON document here")
     p.add_argument("--qlora", action="store_true",
                    help="QLoRA (NF4 base, LoRA r16 all-linear): old = the whole dense model, then quantized; "
-                        "new = each weight quantized as it is read (stages.common.load_quantized)")
+                        "new = each weight quantized as it is read (posttrain.stages.common.load_quantized)")
     p.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -200,12 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, args.model_dir, args.dtype, args.ranks_out, args.qlora)
         return 0
 
-    from core.model import get_preset
+    from posttrain.core.model import get_preset
 
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="load_memory.")
     workdir = Path(args.workdir or tmp.name)
     workdir.mkdir(parents=True, exist_ok=True)
-    doc: dict = {"command": "python -m benchmarks.load_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
+    doc: dict = {"command": "python -m posttrain.benchmarks.load_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "nproc": args.nproc, "layout": f"dp_shard={args.nproc} (FSDP2), gloo, CPU",
                  "lora": "qlora nf4 r16 all-linear" if args.qlora else None,
                  "cpus": os.cpu_count(), "models": {}}

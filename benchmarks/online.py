@@ -3,11 +3,11 @@ sampler (sampler: static), the paged-KV engine in the trainer's process (sampler
 generation colocated) and generator worker processes beside the trainer (generation:
 disaggregated), in one run, on the same prompts, model and seeds.
 
-    python -m benchmarks.online [--shapes debug mid] [--prompts 32] [--samples 4] [--new-tokens 16]
+    python -m posttrain.benchmarks.online [--shapes debug mid] [--prompts 32] [--samples 4] [--new-tokens 16]
                                 [--workers 1] [--threads 0] [--out file.json]
     posttrain bench online [...]
 
-Each side is the real stage (`python -m stages.dpo --config spec.json`, one process, tracking off)
+Each side is the real stage (`python -m posttrain.stages.dpo --config spec.json`, one process, tracking off)
 on data prep's synthetic set: on-policy pairs (reward exact_match, `samples` completions per
 prompt of at most `new-tokens` tokens, temperature 1), then DPO with LoRA (r 8, reference
 disable_adapter), micro-batch 4, one pair per prompt: steps = prompts / 4. Shapes: `debug` (the
@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import emit
+from posttrain.benchmarks import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"debug": {}, "mid": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4,
@@ -46,9 +46,9 @@ SIDES = ("static", "engine", "disaggregated")
 
 
 def spec(root: Path, shape: str, side: str, args) -> dict:
-    from core.config import to_json_file
-    from core.tracking import TrackingConfig
-    from stages.config import DPOConfig
+    from posttrain.core.config import to_json_file
+    from posttrain.core.tracking import TrackingConfig
+    from posttrain.stages.config import DPOConfig
 
     generation = {"mode": "disaggregated", "workers": args.workers, "threads": args.threads} \
         if side == "disaggregated" else {}
@@ -67,7 +67,7 @@ def spec(root: Path, shape: str, side: str, args) -> dict:
 def run_side(root: Path, shape: str, side: str, args, env: dict) -> dict:
     s = spec(root, shape, side, args)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "stages.dpo", "--config", str(s["path"])], env=env, cwd=root,
+    proc = subprocess.run([sys.executable, "-m", "posttrain.stages.dpo", "--config", str(s["path"])], env=env, cwd=root,
                           capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode:
@@ -96,15 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.prompts % 4:
         p.error("--prompts: a multiple of 4 (one step of micro-batch 4 each)")
-    doc: dict = {"command": "python -m benchmarks.online " + " ".join(argv if argv is not None else sys.argv[1:]),
+    doc: dict = {"command": "python -m posttrain.benchmarks.online " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "cpus": os.cpu_count(), "prompts": args.prompts, "samples": args.samples,
                  "new_tokens": args.new_tokens, "workers": args.workers, "shapes": {}}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory(prefix="online.") as tmp:
         root = Path(tmp)
-        from core.tracking import TrackingConfig
-        from stages.config import DataPrepConfig
-        from stages.data_prep import prepare
+        from posttrain.core.tracking import TrackingConfig
+        from posttrain.stages.config import DataPrepConfig
+        from posttrain.stages.data_prep import prepare
 
         prepare(DataPrepConfig(output_dir=str(root / "data"), synthetic_size=max(4 * args.prompts, 64),
                                tracking=TrackingConfig(enabled=False)))

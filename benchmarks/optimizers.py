@@ -1,12 +1,12 @@
 """Optimizer state per parameter, step time and loss for each `optim.name`, on one process.
 
-    python -m benchmarks.optimizers [--preset debug] [--names adamw adafactor muon adamw8bit]
+    python -m posttrain.benchmarks.optimizers [--preset debug] [--names adamw adafactor muon adamw8bit]
                                     [--steps 10] [--seq 128] [--out file.json]
 
 Each optimizer trains a fresh model (build_model(preset), seed 0, fp32) for --steps steps through
-core.trainer.Trainer on the same random token batches (2 x --seq), lr 3e-3 (Adafactor 3e-2: its
+posttrain.core.trainer.Trainer on the same random token batches (2 x --seq), lr 3e-3 (Adafactor 3e-2: its
 step is relative to each weight's RMS), no warmup. Reported per optimizer:
-state_bytes = bytes of the optimizer's state tensors after the last step (core.optimizers.
+state_bytes = bytes of the optimizer's state tensors after the last step (posttrain.core.optimizers.
 state_bytes: torchao's 8-bit state counted by its codes and scales), bytes_per_param = that over
 the model's parameter count (AdamW: 8, two fp32 moments), step_ms = median wall time of
 Trainer.optim_step after the first (compilation, for adamw8bit) step, loss_first / loss_last.
@@ -22,17 +22,17 @@ import time
 
 import torch
 
-from benchmarks import emit
+from posttrain.benchmarks import emit
 
 NAMES = ("adamw", "adafactor", "muon", "adamw8bit")
 
 
 def measure(name: str, preset: str, steps: int, seq: int) -> dict:
-    from core.losses import chunked_cross_entropy, num_target_tokens
-    from core.model import build_model, get_preset
-    from core.optim import OptimConfig
-    from core.optimizers import state_bytes
-    from core.trainer import LossOutput, Trainer
+    from posttrain.core.losses import chunked_cross_entropy, num_target_tokens
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.core.optim import OptimConfig
+    from posttrain.core.optimizers import state_bytes
+    from posttrain.core.trainer import LossOutput, Trainer
 
     def objective(model, batch):
         ids = batch["input_ids"]
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"skipped": "torchao not installed: pip install 'posttrain[optim]'"}
             continue
         results[name] = measure(name, args.preset, args.steps, args.seq)
-    doc = {"benchmark": "optimizers", "command": "python -m benchmarks.optimizers", "preset": args.preset,
+    doc = {"benchmark": "optimizers", "command": "python -m posttrain.benchmarks.optimizers", "preset": args.preset,
            "steps": args.steps, "seq": args.seq, "torch": torch.__version__, "device": "cpu",
            "threads": torch.get_num_threads(), "optimizers": results}
     return emit(doc, args.out)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.sft import _in_fresh_process, _median, missing_packages, side_figures
+from posttrain.benchmarks.sft import _in_fresh_process, _median, missing_packages, side_figures
 
 SIDES = ("ours", "trl", "ours_sft")
 REQUIRED = ("transformers", "peft", "trl", "datasets")
@@ -28,7 +28,7 @@ def parse(name: str, description: str, full: dict[str, Any], quick: dict[str, An
           against: str = "TRL + peft") -> tuple[argparse.Namespace, dict[str, Any] | None]:
     """The shared flags; (args, cfg), cfg None when a peer library of `required` is missing
     (already said, naming `against`, what the benchmark compares with)."""
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
+    p = argparse.ArgumentParser(prog=f"python -m posttrain.benchmarks.{name}", description=description)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (for the tests)")
     p.add_argument("--steps", type=int, help="timed steps per side and repetition (after the warmup)")
     p.add_argument("--warmup", type=int, help="untimed steps first (>= 1)")
@@ -45,7 +45,7 @@ def parse(name: str, description: str, full: dict[str, Any], quick: dict[str, An
         p.error("--steps, --reps and --warmup must be >= 1")
     missing = missing_packages(required)
     if missing:
-        print(f"benchmarks.{name} compares against {against}; not installed: {', '.join(missing)}. "
+        print(f"posttrain.benchmarks.{name} compares against {against}; not installed: {', '.join(missing)}. "
               f"Install them with: {INSTALL_HINT}", file=sys.stderr)
         return a, None
     return a, cfg

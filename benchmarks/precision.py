@@ -1,8 +1,8 @@
 """Training speed and memory per `precision.mode` on this machine's device.
 
-    python -m benchmarks.precision [--quick] [--modes full bf16 fp16 fp8] [--lora] [--out file.json]
+    python -m posttrain.benchmarks.precision [--quick] [--modes full bf16 fp16 fp8] [--lora] [--out file.json]
 
-One process, core.trainer.Trainer as the stages drive it (core.precision: autocast dtype, fp16's
+One process, posttrain.core.trainer.Trainer as the stages drive it (posttrain.core.precision: autocast dtype, fp16's
 loss scale, float32 master weights, fp8's Float8Linear), on the Llama shape benchmarks/sft.py
 measures (hidden 512, 8 layers, vocab 8192; --quick: the tiny one), the same random token batches
 of 2 x 512 tokens for each mode, full fine-tuning (or LoRA r16 all-linear with --lora). Reported
@@ -22,8 +22,8 @@ import subprocess
 import sys
 import time
 
-from benchmarks import emit
-from benchmarks.sft import FULL, QUICK
+from posttrain.benchmarks import emit
+from posttrain.benchmarks.sft import FULL, QUICK
 
 MODES = ("full", "bf16", "fp16", "fp8")
 
@@ -33,13 +33,13 @@ def measure(mode: str, quick: bool, lora: bool, steps: int, seq: int) -> dict:
 
     import torch
 
-    from core.losses import chunked_cross_entropy, num_target_tokens
-    from core.lora import apply_lora
-    from core.model import build_model
-    from core.model.args import ModelArgs
-    from core.optim import OptimConfig
-    from core.precision import (LossScaler, PrecisionConfig, autocast_dtype, convert_fp8, upcast_trainable)
-    from core.trainer import LossOutput, Trainer
+    from posttrain.core.losses import chunked_cross_entropy, num_target_tokens
+    from posttrain.core.lora import apply_lora
+    from posttrain.core.model import build_model
+    from posttrain.core.model.args import ModelArgs
+    from posttrain.core.optim import OptimConfig
+    from posttrain.core.precision import (LossScaler, PrecisionConfig, autocast_dtype, convert_fp8, upcast_trainable)
+    from posttrain.core.trainer import LossOutput, Trainer
 
     def objective(model, batch):
         ids = batch["input_ids"]
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "fp8" and importlib.util.find_spec("torchao") is None:
             results[mode] = {"skipped": "torchao not installed: pip install 'posttrain[optim]'"}
             continue
-        cmd = [sys.executable, "-m", "benchmarks.precision", "--one", mode, "--steps", str(steps)]
+        cmd = [sys.executable, "-m", "posttrain.benchmarks.precision", "--one", mode, "--steps", str(steps)]
         cmd += ["--quick"] * args.quick + ["--lora"] * args.lora
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results.values():
         if base and "tokens_per_s" in r:
             r["speedup_vs_fp32"] = round(r["tokens_per_s"] / base, 3)
-    doc = {"benchmark": "precision", "command": "python -m benchmarks.precision" + " --quick" * args.quick
+    doc = {"benchmark": "precision", "command": "python -m posttrain.benchmarks.precision" + " --quick" * args.quick
            + " --lora" * args.lora, "shape": "quick" if args.quick else "d512 L8 V8192", "seq": seq,
            "batch": 2, "steps": steps, "finetune": "lora r16 all-linear" if args.lora else "full", "modes": results}
     return emit(doc, args.out)

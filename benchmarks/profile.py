@@ -1,7 +1,7 @@
 """Where an SFT step's time goes, posttrain beside transformers + peft: torch.profiler over one step
 of each side of benchmarks/sft.py, the same model, adapter and documents, summed by op category.
 
-    python -m benchmarks.profile [--quick] [--shapes dense,realistic] [--out file.json]
+    python -m posttrain.benchmarks.profile [--quick] [--shapes dense,realistic] [--out file.json]
     posttrain bench profile [...]
 
 The speed goals of benchmarks/sft.py (1.5x dense, 4x realistic) are ratios of step times. This
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import emit
-from benchmarks.sft import FULL, INSTALL_HINT, QUICK, SHAPES, missing_packages, steps_of
+from posttrain.benchmarks import emit
+from posttrain.benchmarks.sft import FULL, INSTALL_HINT, QUICK, SHAPES, missing_packages, steps_of
 
 CATEGORIES = {
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_mm", "aten::baddbmm",
@@ -56,7 +56,7 @@ def profile_side(side: str, shape: str, cfg: dict[str, Any], model_dir: str, ada
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks import sft
+    from posttrain.benchmarks import sft
 
     torch.manual_seed(sft.SEED)
     steps = steps_of(shape, cfg)
@@ -87,21 +87,21 @@ def profile_side(side: str, shape: str, cfg: dict[str, Any], model_dir: str, ada
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m posttrain.benchmarks.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model (for the tests)")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--out")
     a = p.parse_args(argv)
     missing = missing_packages()
     if missing:
-        print(f"benchmarks.profile compares against transformers + peft; not installed: {', '.join(missing)}. "
+        print(f"posttrain.benchmarks.profile compares against transformers + peft; not installed: {', '.join(missing)}. "
               f"Install them with: {INSTALL_HINT}", file=sys.stderr)
         return 2
     cfg = dict(QUICK if a.quick else FULL, warmup=1, steps=1)
     shapes = [s for s in a.shapes.split(",") if s]
     if set(shapes) - set(SHAPES):
         p.error(f"--shapes takes a comma-separated subset of {SHAPES}")
-    from benchmarks.sft import export
+    from posttrain.benchmarks.sft import export
 
     doc: dict[str, Any] = {"benchmark": "profile", "quick": a.quick, "device": "cpu", "dtype": "float32",
                            "config": {k: v for k, v in cfg.items() if k not in ("steps", "warmup", "reps")},

@@ -1,15 +1,15 @@
 """How much of post-training quantization's loss QAT recovers, on the demo's verifiable suite.
 
-    python -m benchmarks.qat [--quick] [--weights int4] [--group-size 16] [--activations none]
+    python -m posttrain.benchmarks.qat [--quick] [--weights int4] [--group-size 16] [--activations none]
                              [--sft-steps 600] [--qat-steps 200] [--out file.json]
     posttrain bench qat ...
 
-Every step is a real stage run (`python -m stages.sft`, one process, the CPU) on data prep's
+Every step is a real stage run (`python -m posttrain.stages.sft`, one process, the CPU) on data prep's
 synthetic suite (copy, reverse, sort, max; 2000 examples):
 
   a   SFT of the debug preset from scratch (--sft-steps, lr 3e-3)
   a'  a trained --qat-steps more without QAT (lr 5e-4): the float model QAT is compared with
-  b   post-training quantization of a  (registry.quantized.save_quantized: the same codes QAT exports)
+  b   post-training quantization of a  (posttrain.registry.quantized.save_quantized: the same codes QAT exports)
   b'  post-training quantization of a'
   c   a trained --qat-steps with `qat:` (same lr and data as a'), its exported `quantized/` model
 
@@ -31,18 +31,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import emit
+from posttrain.benchmarks import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def stage(module: str, cfg, root: Path, env: dict) -> float:
-    from core.config import to_json_file
+    from posttrain.core.config import to_json_file
 
     path = root / f"{Path(cfg.output_dir).name}.json"
     to_json_file(cfg, path)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", f"stages.{module}", "--config", str(path)], env=env, cwd=root,
+    proc = subprocess.run([sys.executable, "-m", f"posttrain.stages.{module}", "--config", str(path)], env=env, cwd=root,
                           capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{cfg.output_dir} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -51,9 +51,9 @@ def stage(module: str, cfg, root: Path, env: dict) -> float:
 
 def ptq(model_dir: Path, out: Path, qat) -> Path:
     """Post-training quantization of a stage's exported model with the scheme QAT trains for."""
-    from registry.hf import load_pretrained
-    from registry.quantized import save_quantized
-    from registry.tokenizer import Tokenizer
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.registry.quantized import save_quantized
+    from posttrain.registry.tokenizer import Tokenizer
 
     model = load_pretrained(model_dir)
     save_quantized(model, out, qat)
@@ -71,16 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qat-steps", type=int, default=200)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    from core.qat import QATConfig
-    from core.tracking import TrackingConfig
-    from stages.config import DataPrepConfig, EvalConfig, SFTConfig
-    from stages.data_prep import prepare
+    from posttrain.core.qat import QATConfig
+    from posttrain.core.tracking import TrackingConfig
+    from posttrain.stages.config import DataPrepConfig, EvalConfig, SFTConfig
+    from posttrain.stages.data_prep import prepare
 
     sft_steps, qat_steps, size = (30, 10, 200) if args.quick else (args.sft_steps, args.qat_steps, 2000)
     qat = QATConfig(weights=args.weights, group_size=args.group_size, activations=args.activations)
     off = TrackingConfig(enabled=False)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    doc: dict = {"benchmark": "qat", "command": "python -m benchmarks.qat " + " ".join(argv if argv is not None
+    doc: dict = {"benchmark": "qat", "command": "python -m posttrain.benchmarks.qat " + " ".join(argv if argv is not None
                                                                                        else sys.argv[1:]),
                  "qat": qat.model_dump(), "sft_steps": sft_steps, "qat_steps": qat_steps, "synthetic_size": size}
     with tempfile.TemporaryDirectory(prefix="qat.") as tmp:
@@ -102,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
                         max_new_tokens=16)
         stage("evaluate", ev, root, env)
         manifest = json.loads((root / "eval" / "manifest.json").read_text())
-        from stages.evaluation.plan import model_names
+        from posttrain.stages.evaluation.plan import model_names
 
         names = dict(zip(models, model_names(ev.models)))
         em = {k: round(manifest["results"][names[k]]["exact_match"], 4) for k in models}
         nll = {k: round(manifest["results"][names[k]]["nll"], 5) for k in models}
-        from stages.evaluation.plan import load_eval_data
+        from posttrain.stages.evaluation.plan import load_eval_data
 
         held_out = len(load_eval_data(ev).prompts)  # the prompts exact match is taken over
 

@@ -2,26 +2,26 @@
 4-bit (what a user would otherwise pick), and beside dense LoRA in transformers + peft, on the same
 weights, adapter, optimizer and documents, in one run.
 
-    python -m benchmarks.qlora [--quick] [--steps N] [--warmup N] [--reps R] [--out file.json]
+    python -m posttrain.benchmarks.qlora [--quick] [--steps N] [--warmup N] [--reps R] [--out file.json]
     posttrain bench qlora [...]
 
 Needs transformers, peft and bitsandbytes: pip install 'posttrain[bench]' (it says so and exits with
 status 2, before any work, when one is missing). bitsandbytes 0.50 runs 4-bit on CPU: its
-CPU kernels would come from Hugging Face's `kernels` hub package, which cannot be installed beside
-posttrain (README, "The `kernels` name") and which needs the network. It falls back to its own
+CPU kernels would come from Hugging Face's `kernels` hub package, which `make setup` still removes
+(README, "One namespace") and which needs the network. It falls back to its own
 torch code, and that fallback is what is measured here.
 
 Model: Llama-shaped (hidden 768, 12 layers, 12 heads, 4 KV heads, intermediate 2048, vocab 16384,
-about 103M parameters, 412 MB in fp32), random weights built with core.model and exported with
-registry.hf.save_pretrained. It is larger than benchmarks/sft.py's, so that the base's storage
+about 103M parameters, 412 MB in fp32), random weights built with posttrain.core.model and exported with
+posttrain.registry.hf.save_pretrained. It is larger than benchmarks/sft.py's, so that the base's storage
 shows beside the activations. LoRA rank 16, alpha 32, on every linear layer but the output head,
 with the same initial A/B on every side (ours exported in PEFT's format). The base is NF4 with
 blocksize 64 and no double quantization on both 4-bit sides. The two formats dequantize to the
 same values, bit for bit. The compute dtype is fp32. AdamW lr 1e-4.
 
-  ours       stages.common.load_quantized: the base is read one linear layer at a time and
+  ours       posttrain.stages.common.load_quantized: the base is read one linear layer at a time and
              quantized as it is read, never whole and dense. Then the adapter's A/B come from the
-             export (registry.adapters.read_adapter). Each step's documents are packed
+             export (posttrain.registry.adapters.read_adapter). Each step's documents are packed
              padding-free into micro-batches of at most `token_budget` tokens.
              Trainer.forward_backward(sft_objective) runs per micro-batch, then Trainer.optim_step.
   bnb        AutoModelForCausalLM.from_pretrained(quantization_config=BitsAndBytesConfig(nf4, fp32
@@ -30,7 +30,7 @@ same values, bit for bit. The compute dtype is fp32. AdamW lr 1e-4.
              target tokens, then torch.optim.AdamW.
   peft_lora  the same as bnb with the base dense (fp32): the memory a 4-bit base should save.
 
-Documents: benchmarks.sft's "realistic" shape (lognormal lengths, mean `mean_len`, labels -100 on a
+Documents: posttrain.benchmarks.sft's "realistic" shape (lognormal lengths, mean `mean_len`, labels -100 on a
 quarter prompt), `docs_per_step` a step.
 
 Measures (as benchmarks/sft.py): tokens_per_s over the timed steps, median over `reps`, with the
@@ -52,10 +52,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import emit, peer
-from benchmarks.sft import FULL as SFT_FULL
-from benchmarks.sft import QUICK as SFT_QUICK
-from benchmarks.sft import (LORA, OPTIM, SEED, _in_fresh_process, _maxrss_mb, _median, _rss_mb, export,
+from posttrain.benchmarks import emit, peer
+from posttrain.benchmarks.sft import FULL as SFT_FULL
+from posttrain.benchmarks.sft import QUICK as SFT_QUICK
+from posttrain.benchmarks.sft import (LORA, OPTIM, SEED, _in_fresh_process, _maxrss_mb, _median, _rss_mb, export,
                             pad_batch, peft_with_adapter, side_figures, steps_of, targets_of)
 
 SIDES = ("ours", "bnb", "peft_lora")
@@ -63,10 +63,10 @@ REQUIRED = ("transformers", "peft", "bitsandbytes")
 LOSS_RTOL = 1e-4  # the same NF4 values, fp32 compute; padded sdpa vs packed attention sum in other orders
 TARGETS = {"memory_ratio": ("<=", 0.5)}
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "peft.tuners.lora",
-           "bitsandbytes", "safetensors.torch", "core.model.model", "core.lora", "core.quant", "core.trainer",
-           "core.objectives", "core.data.packing", "registry.hf", "registry.adapters", "stages.common"]
+           "bitsandbytes", "safetensors.torch", "posttrain.core.model.model", "posttrain.core.lora", "posttrain.core.quant", "posttrain.core.trainer",
+           "posttrain.core.objectives", "posttrain.core.data.packing", "posttrain.registry.hf", "posttrain.registry.adapters", "posttrain.stages.common"]
 
-# benchmarks.sft's shapes, a larger model (the base's storage beside the activations), fewer
+# posttrain.benchmarks.sft's shapes, a larger model (the base's storage beside the activations), fewer
 # documents a step
 FULL: dict[str, Any] = {**SFT_FULL, "seqs_per_micro": 4, "docs_per_step": 8, "reps": 2, "model": dict(
     SFT_FULL["model"], vocab_size=16384, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048)}
@@ -112,16 +112,16 @@ def run_side(side: str, cfg: dict[str, Any], model_dir: str, adapter_dir: str) -
 def _ours(cfg, model_dir, adapter_dir):
     import torch
 
-    from core.data.encode import Document
-    from core.data.packing import collate_padding_free, pack
-    from core.lora import LoRAConfig
-    from core.lora.model import load_adapter_state_dict
-    from core.model.config import ModelConfig
-    from core.objectives import sft_objective
-    from core.optim import OptimConfig
-    from core.trainer import Trainer
-    from registry.adapters import read_adapter
-    from stages.common import load_quantized
+    from posttrain.core.data.encode import Document
+    from posttrain.core.data.packing import collate_padding_free, pack
+    from posttrain.core.lora import LoRAConfig
+    from posttrain.core.lora.model import load_adapter_state_dict
+    from posttrain.core.model.config import ModelConfig
+    from posttrain.core.objectives import sft_objective
+    from posttrain.core.optim import OptimConfig
+    from posttrain.core.trainer import Trainer
+    from posttrain.registry.adapters import read_adapter
+    from posttrain.stages.common import load_quantized
 
     lora = LoRAConfig(enabled=True, quantize_base="nf4", rank=LORA["rank"], alpha=LORA["alpha"],
                       dropout=LORA["dropout"], targets=["all-linear"])

@@ -2,11 +2,11 @@
 driven over loopback by the official `openai` client, beside transformers' `generate` called once
 per request (what a hand-rolled server does), on the same checkpoint and prompts.
 
-    python -m benchmarks.serve [--models debug] [--layouts r1 r2] [--concurrency 1 8 32]
+    python -m posttrain.benchmarks.serve [--models debug] [--layouts r1 r2] [--concurrency 1 8 32]
                                [--requests 32] [--max-tokens 16] [--out file.json]
     posttrain bench serve [...]
 
-Model: a core.model preset with random weights (seed 0, initializer_range 0.2), saved as an HF
+Model: a posttrain.core.model preset with random weights (seed 0, initializer_range 0.2), saved as an HF
 checkpoint with the byte tokenizer sized to its vocabulary. Prompts: seeded random lowercase text
 of 40-200 characters, distinct per request. Greedy decoding, stopping at the tokenizer's EOS or
 `max_tokens`: both sides produce the same tokens (greedy parity), so the same work.
@@ -42,7 +42,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks import emit
+from posttrain.benchmarks import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "bench-key"
@@ -75,9 +75,9 @@ def prompts(n: int, seed: int = 0) -> list[str]:
 
 
 def make_checkpoint(preset: str, root: Path) -> Path:
-    from core.model import build_model, get_preset
-    from registry.byte_tokenizer import byte_tokenizer
-    from registry.hf import save_pretrained
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.byte_tokenizer import byte_tokenizer
+    from posttrain.registry.hf import save_pretrained
 
     cfg = get_preset(preset, initializer_range=0.2)
     path = root / preset
@@ -130,7 +130,7 @@ class Served:
             self.port = s.getsockname()[1]
         threads = max(1, (os.cpu_count() or 1) // (replicas * tp))
         env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": str(threads)}
-        cmd = [sys.executable, "-m", "flows.cli", "serve-model", str(checkpoint), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "posttrain.flows.cli", "serve-model", str(checkpoint), "--port", str(self.port),
                "--served-model-name", "bench", "--max-queue", "1024", "--max-num-seqs", str(max_num_seqs)]
         if replicas > 1:
             cmd += ["--replicas", str(replicas)]
@@ -192,7 +192,7 @@ def transformers_sender(checkpoint: Path, max_tokens: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from registry.tokenizer import Tokenizer
+    from posttrain.registry.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32, attn_implementation="sdpa").eval()

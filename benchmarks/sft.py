@@ -1,19 +1,19 @@
 """LoRA SFT throughput and memory: posttrain (padding-free packing) beside transformers + peft
 (padded batches), on the same weights, adapter, optimizer and documents, in one run.
 
-    python -m benchmarks.sft [--quick] [--steps N] [--reps R] [--out file.json]
+    python -m posttrain.benchmarks.sft [--quick] [--steps N] [--reps R] [--out file.json]
     posttrain bench sft [--quick] ...
 
 Needs transformers and peft for the baseline side: pip install 'posttrain[bench]' (it says so and
 exits with status 2, before any work, when either is missing).
 
 Model: Llama-shaped (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408, vocab 8192),
-fp32 on CPU, random weights built with core.model, exported with registry.hf.save_pretrained to a
+fp32 on CPU, random weights built with posttrain.core.model, exported with posttrain.registry.hf.save_pretrained to a
 temporary directory. LoRA rank 16, alpha 32, every linear layer but the output head, with the
-SAME initial A/B on both sides (ours exported with registry.adapters.save_adapter, loaded into peft's
+SAME initial A/B on both sides (ours exported with posttrain.registry.adapters.save_adapter, loaded into peft's
 get_peft_model with set_peft_model_state_dict). AdamW lr 1e-4 (torch's defaults otherwise) on both.
 
-  ours      registry.hf.load_pretrained + registry.adapters.load_adapter; each step's documents are
+  ours      posttrain.registry.hf.load_pretrained + posttrain.registry.adapters.load_adapter; each step's documents are
             packed (first-fit decreasing) into micro-batches of at most `token_budget` tokens,
             collate_padding_free, Trainer.forward_backward(sft_objective) per micro-batch, then
             Trainer.optim_step (loss normalized once by the step's target tokens).
@@ -70,8 +70,8 @@ LOSS_RTOL = 1e-4
 SHAPES = ("dense", "realistic")
 # Imported by the forkserver before any child is forked: the memory baseline both sides share.
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "peft.tuners.lora",
-           "safetensors.torch", "core.model.model", "core.lora", "core.trainer", "core.objectives",
-           "core.data.packing", "registry.hf", "registry.adapters"]
+           "safetensors.torch", "posttrain.core.model.model", "posttrain.core.lora", "posttrain.core.trainer", "posttrain.core.objectives",
+           "posttrain.core.data.packing", "posttrain.registry.hf", "posttrain.registry.adapters"]
 
 FULL: dict[str, Any] = dict(
     model=dict(vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
@@ -162,11 +162,11 @@ def export(cfg: dict[str, Any], model_dir: str, adapter_dir: str) -> dict[str, A
     save it in PEFT's format: the one set of weights both sides load."""
     import torch
 
-    from core.lora import apply_lora, count_trainable
-    from core.model.args import ModelArgs
-    from core.model.model import build_model
-    from registry.adapters import save_adapter
-    from registry.hf import save_pretrained
+    from posttrain.core.lora import apply_lora, count_trainable
+    from posttrain.core.model.args import ModelArgs
+    from posttrain.core.model.model import build_model
+    from posttrain.registry.adapters import save_adapter
+    from posttrain.registry.hf import save_pretrained
 
     torch.manual_seed(SEED)
     args = ModelArgs(**cfg["model"])
@@ -210,13 +210,13 @@ def run_side(side: str, shape: str, cfg: dict[str, Any], model_dir: str, adapter
 
 
 def _ours(cfg, model_dir, adapter_dir):
-    from core.optim import OptimConfig
-    from core.data.encode import Document
-    from core.data.packing import collate_padding_free, pack
-    from core.objectives import sft_objective
-    from core.trainer import Trainer
-    from registry.adapters import load_adapter
-    from registry.hf import load_pretrained
+    from posttrain.core.optim import OptimConfig
+    from posttrain.core.data.encode import Document
+    from posttrain.core.data.packing import collate_padding_free, pack
+    from posttrain.core.objectives import sft_objective
+    from posttrain.core.trainer import Trainer
+    from posttrain.registry.adapters import load_adapter
+    from posttrain.registry.hf import load_pretrained
 
     model = load_pretrained(model_dir)
     load_adapter(model, adapter_dir)
@@ -381,7 +381,7 @@ def _targets(shapes: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sft", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m posttrain.benchmarks.sft", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (for the tests)")
     p.add_argument("--steps", type=int, help="timed steps per repetition (after the warmup)")
     p.add_argument("--warmup", type=int, help="untimed steps first")
@@ -401,13 +401,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--shapes takes a comma-separated subset of {SHAPES}")
     missing = missing_packages()
     if missing:  # before any work: the forkserver would only fail on them minutes later
-        print(f"benchmarks.sft compares against transformers + peft; not installed: {', '.join(missing)}. "
+        print(f"posttrain.benchmarks.sft compares against transformers + peft; not installed: {', '.join(missing)}. "
               f"Install them with: {INSTALL_HINT}", file=sys.stderr)
         return 2
 
     import multiprocessing as mp
 
-    from benchmarks import sft as this  # by module name, so the children can unpickle the functions
+    from posttrain.benchmarks import sft as this  # by module name, so the children can unpickle the functions
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)

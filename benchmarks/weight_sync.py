@@ -1,13 +1,13 @@
-"""Weight sync latency (core.generation.weights): a trainer process publishing its weights to a
+"""Weight sync latency (posttrain.core.generation.weights): a trainer process publishing its weights to a
 generator process on the same host, full and LoRA-only, over each transport (the shared-memory
 ring, "shm", and a gloo broadcast, "gloo"), against the floor of a plain memcpy of the same bytes in
 one process.
 
-    python -m benchmarks.weight_sync [--models debug smollm2-135m qwen2.5-0.5b] [--reps 3]
+    python -m posttrain.benchmarks.weight_sync [--models debug smollm2-135m qwen2.5-0.5b] [--reps 3]
                                      [--bucket-mb MB] [--out file.json]
     posttrain bench weight_sync [...]
 
-Each model (a core.model preset, random weights, fp32, LoRA r16 alpha 32 on every linear layer
+Each model (a posttrain.core.model preset, random weights, fp32, LoRA r16 alpha 32 on every linear layer
 but the head) runs in 2 processes under `torchrun --standalone --nproc-per-node 2`: rank 0 the
 trainer (one process: WeightPublisher), rank 1 the generator (WeightSubscriber on its own copy).
 Per transport and mode (full: every weight; lora_only: the adapters), `reps` syncs after one
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import emit
+from posttrain.benchmarks import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("debug", "smollm2-135m", "qwen2.5-0.5b")
@@ -44,9 +44,9 @@ def worker(name: str, reps: int, bucket_mb: float | None, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from core.generation.weights import WeightPublisher, WeightSubscriber, sync_group
-    from core.lora import apply_lora
-    from core.model import build_model, get_preset
+    from posttrain.core.generation.weights import WeightPublisher, WeightSubscriber, sync_group
+    from posttrain.core.lora import apply_lora
+    from posttrain.core.model import build_model, get_preset
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -72,7 +72,7 @@ def _one(model, group, rank: int, lora: bool, transport: str, reps: int, bucket_
     import torch
     import torch.distributed as dist
 
-    from core.generation.weights import WeightPublisher, WeightSubscriber
+    from posttrain.core.generation.weights import WeightPublisher, WeightSubscriber
 
     done = torch.zeros(1)
     if rank != 0:
@@ -104,7 +104,7 @@ def _one(model, group, rank: int, lora: bool, transport: str, reps: int, bucket_
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=list(MODELS), help="core.model presets")
+    p.add_argument("--models", nargs="+", default=list(MODELS), help="posttrain.core.model presets")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="bucket size (default: WeightPublisher's, 64 MiB full, a quarter of the bytes LoRA-only)")
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.worker, args.reps, args.bucket_mb, args.result)
         return 0
-    doc: dict = {"command": "python -m benchmarks.weight_sync " + " ".join(argv if argv is not None else sys.argv[1:]),
+    doc: dict = {"command": "python -m posttrain.benchmarks.weight_sync " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "transports": {"shm": "shared-memory ring (2 slots in /dev/shm) with gloo for the signals",
                                 "gloo": "gloo broadcast over loopback TCP"},
                  "processes": "2 (trainer, generator), CPU, 1 thread each", "cpus": os.cpu_count(),
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.models:
             out = Path(tmp) / f"{name}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                   "benchmarks.weight_sync", "--worker", name, "--reps", str(args.reps), "--result", str(out)]
+                   "posttrain.benchmarks.weight_sync", "--worker", name, "--reps", str(args.reps), "--result", str(out)]
             if args.bucket_mb is not None:
                 cmd += ["--bucket-mb", str(args.bucket_mb)]
             proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)

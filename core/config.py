@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal, Sequence, TypeVar, Union, get_args, 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from core.titles import field_title, model_title
+from posttrain.core.titles import field_title, model_title
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 C = TypeVar("C", bound=BaseModel)
@@ -333,7 +333,7 @@ def spec_text(cfg: BaseModel) -> str:
 def to_json_file(cfg: BaseModel, path: str | Path) -> Path:
     """Write `cfg` as JSON atomically, for a torchrun entry point's --config. Readable by its owner
     only: it holds launcher.env, where tokens go."""
-    from core.atomic import write_text_atomic
+    from posttrain.core.atomic import write_text_atomic
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return write_text_atomic(path, spec_text(cfg), mode=0o600)

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from core.data.packing import sequence_sums
-from core.objectives import response_mask, token_logps
-from core.trainer import LossOutput
+from posttrain.core.data.packing import sequence_sums
+from posttrain.core.objectives import response_mask, token_logps
+from posttrain.core.trainer import LossOutput
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 ADVANTAGE_EPS = 1e-4
@@ -78,7 +78,7 @@ def reduce_loss(per_token: Tensor, mask: Tensor, sequence_ids: Tensor, num_seque
                 max_completion_length: int) -> tuple[Tensor, Tensor | int]:
     """(loss sum, what it sums over) of a micro-batch for `loss_type` (module doc): summed
     per-completion means over completions (grpo, dr_grpo) or token losses over tokens (bnpo, dapo).
-    `sequence_ids` gives each position's completion (padding-free batches, core.data.packing)."""
+    `sequence_ids` gives each position's completion (padding-free batches, posttrain.core.data.packing)."""
     m = mask.to(per_token.dtype)
     v = per_token * m
     if loss_type in ("bnpo", "dapo"):

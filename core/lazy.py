@@ -2,9 +2,9 @@
 
 A package whose modules import torch lists its public names here instead of importing them in
 its __init__, so its torch-free parts (the `config` modules, which the Prefect flow process
-loads) import without torch, while `from core.model import Transformer` still works:
+loads) import without torch, while `from posttrain.core.model import Transformer` still works:
 
-    __getattr__, __dir__, __all__ = lazy_exports(__name__, {"Transformer": "core.model.model", ...})
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, {"Transformer": "posttrain.core.model.model", ...})
 """
 
 from __future__ import annotations

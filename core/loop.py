@@ -1,7 +1,7 @@
 """The training loop every training stage shares, built on the Trainer primitives:
 resume, accumulate, step, log, validate, checkpoint (with the data position), stop.
 
-Faults (core.reliability): a non-finite or spiking step is skipped; after `max_bad_steps` of them
+Faults (posttrain.core.reliability): a non-finite or spiking step is skipped; after `max_bad_steps` of them
 in a row the loop rolls back to the last checkpoint while the data position moves on past the bad
 batches; a preemption signal ends the loop at the next step boundary with a final checkpoint
 (`Preempted`, exit code 75); the watchdog sees every micro-step. Each event goes to `on_metrics`
@@ -14,9 +14,9 @@ import contextlib
 import logging
 from typing import Any, Callable, Iterator
 
-from core.monitor import ThroughputMeter, batch_tokens
-from core.reliability import Preempted, Reliability, TrainingDiverged
-from core.trainer import Objective, Trainer
+from posttrain.core.monitor import ThroughputMeter, batch_tokens
+from posttrain.core.reliability import Preempted, Reliability, TrainingDiverged
+from posttrain.core.trainer import Objective, Trainer
 
 log = logging.getLogger("posttrain.loop")
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # Shared loss helpers and the chunked losses (re-exported), defined beside the fused kernels.
-from kernels.chunked_losses import (  # noqa: F401
+from posttrain.kernels.chunked_losses import (  # noqa: F401
     DISTILL_KINDS,
     IGNORE_INDEX,
     REDUCTIONS,
@@ -36,7 +36,7 @@ from kernels.chunked_losses import (  # noqa: F401
     token_divergence,
 )
 # The family (DPO, IPO, SimPO, ..., ORPO, KTO) lives in core/preference.py; re-exported here.
-from core.preference import (  # noqa: F401
+from posttrain.core.preference import (  # noqa: F401
     DPO_LOSS_TYPES,
     DPOOutput,
     dpo_loss,
@@ -57,7 +57,7 @@ def num_target_tokens(labels: Tensor, ignore_index: int = IGNORE_INDEX, shift: b
 def ce_logits_inputs(logits: Tensor, labels: Tensor, ignore_index: int, reduction: str, shift: bool,
                      softcap: float | None) -> tuple[Tensor, Tensor, Tensor]:
     """The preamble of a cross entropy on logits that exist (here and vocab-parallel in
-    core.parallel.losses): checks `reduction`; returns z (the logits in fp32+, softcapped as
+    posttrain.core.parallel.losses): checks `reduction`; returns z (the logits in fp32+, softcapped as
     z = softcap * tanh(logits / softcap) when softcap is set), the targets (shifted when `shift`)
     and keep, the scored positions (targets != ignore_index)."""
     check_choice("reduction", reduction, REDUCTIONS)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from core.atomic import write_json_atomic
+from posttrain.core.atomic import write_json_atomic
 
 MANIFEST = "manifest.json"
 CHECKPOINTS = "checkpoints"  # a training stage's resume checkpoints, inside its output directory

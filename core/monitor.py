@@ -5,7 +5,7 @@ parameters touched by matmuls) + 12 * L * H * T for attention (forward + backwar
 the device's peak dense bf16 FLOP/s.
 
 Loss-spike and NaN handling, the hang watchdog (heartbeats, stack dumps, collective flight
-recorder) and preemption live in core.reliability, which core.loop.fit drives.
+recorder) and preemption live in posttrain.core.reliability, which posttrain.core.loop.fit drives.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from core.model.args import ModelArgs
+from posttrain.core.model.args import ModelArgs
 
 # Peak dense bf16 tensor-core FLOP/s by device name fragment (vendor data sheets).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}

@@ -5,13 +5,13 @@ preference pairs (DPO), so the trainer's single division by the step's total is 
 head runs inside the model's forward (`model(..., head=...)`), so the (tokens x vocab) logits are
 never materialized and parallel wrappers see a single forward call.
 
-Under tensor parallelism (core.parallel.parallelize with tp > 1) the lm_head is column-parallel:
+Under tensor parallelism (posttrain.core.parallel.parallelize with tp > 1) the lm_head is column-parallel:
 each rank holds a vocab slice of it. Each head then runs the lm_head module (which gathers
-sequence-parallel hidden states) and the vocab-parallel loss of core.parallel.losses on its slice
+sequence-parallel hidden states) and the vocab-parallel loss of posttrain.core.parallel.losses on its slice
 of the logits, so the full vocabulary is never gathered; the single-process path is untouched.
 
 Under context parallelism (`model.cp_group`, set by parallelize with cp > 1) each objective first
-takes this rank's share of the packed batch (core.parallel.context.shard_batch: labels shifted on
+takes this rank's share of the packed batch (posttrain.core.parallel.context.shard_batch: labels shifted on
 the whole sequence, then cut into the load-balanced chunks), and scores it with shift=False. Token
 losses are then sums over the shard, and the trainer's count of the step's tokens adds the shards
 up. Per-sequence log-probs (DPO) are summed over the cp ranks (`sum_over_shards`), so chosen and
@@ -27,16 +27,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from core.data.packing import sequence_sums
-from core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk, dpo_loss
-from core.preference import REFERENCE_FREE_LOSSES, kto_kl, kto_loss, length_desensitized_logps, wpo_weights
-from core.model.moe import routed_tokens
-from core.parallel.context import CP_KEY, shard_batch, shard_like, sum_over_shards
-from core.parallel.losses import (vocab_parallel_cross_entropy, vocab_parallel_distill_loss,
+from posttrain.core.data.packing import sequence_sums
+from posttrain.core.losses import IGNORE_INDEX, chunked_cross_entropy, distill_loss_topk, dpo_loss
+from posttrain.core.preference import REFERENCE_FREE_LOSSES, kto_kl, kto_loss, length_desensitized_logps, wpo_weights
+from posttrain.core.model.moe import routed_tokens
+from posttrain.core.parallel.context import CP_KEY, shard_batch, shard_like, sum_over_shards
+from posttrain.core.parallel.losses import (vocab_parallel_cross_entropy, vocab_parallel_distill_loss,
                                   vocab_parallel_distill_topk, vocab_parallel_token_logps, vocab_parallel_topk)
-from core.trainer import LossOutput
-from kernels.fused_linear_ce import fused_linear_cross_entropy
-from kernels.fused_linear_kl import fused_linear_distill, fused_linear_logps
+from posttrain.core.trainer import LossOutput
+from posttrain.kernels.fused_linear_ce import fused_linear_cross_entropy
+from posttrain.kernels.fused_linear_kl import fused_linear_distill, fused_linear_logps
 
 CHUNK = 1024  # tokens per logits chunk: bounds the head's memory at CHUNK x vocab
 
@@ -134,8 +134,8 @@ def pair_logps(model: nn.Module, batch: dict[str, Any], ld_alpha: float | None =
     """Summed log-probs of every sequence of a preference batch (chosen first, then rejected) and
     the number of target tokens of each, both (2N,); whole sequences' on every rank under
     context parallelism too. With `ld_alpha` the sums are LD-DPO's
-    (core.preference.length_desensitized_logps; not under context parallelism). With `wpo` a
-    third value: WPO's detached per-pair weights (N,) (core.preference.wpo_weights), which need
+    (posttrain.core.preference.length_desensitized_logps; not under context parallelism). With `wpo` a
+    third value: WPO's detached per-pair weights (N,) (posttrain.core.preference.wpo_weights), which need
     log sum_v p(v)^2 per token: an extra no-grad pass over the lm_head, chunked (one process or
     FSDP only: not under tensor or context parallelism)."""
     batch = cp_view(model, batch)
@@ -184,7 +184,7 @@ def dpo_objective(beta: float, loss_type: str | Sequence[str] = "sigmoid", label
                   simpo_gamma: float = 0.5, sft_weight: float = 0.0,
                   reference: Callable[[dict[str, Any]], torch.Tensor] | None = None, ld_alpha: float | None = None,
                   use_weighting: bool = False, **loss_kwargs: Any) -> Callable:
-    """The preference-loss family (core.preference.dpo_loss) over a collate_preference batch;
+    """The preference-loss family (posttrain.core.preference.dpo_loss) over a collate_preference batch;
     chosen and rejected in one forward. `loss_kwargs`: dpo_loss's further knobs (loss_weights,
     f_divergence_type, ...); ld_alpha (LD-DPO) and use_weighting (WPO) act on the log-probs.
 
@@ -194,7 +194,7 @@ def dpo_objective(beta: float, loss_type: str | Sequence[str] = "sigmoid", label
 
     KTO: a batch carrying `batch["kto_kl_batch"]` (a collate_preference batch of mismatched
     pairs: each prompt with another pair's responses) gets its reference point z0 from them
-    (core.preference.kto_kl over the policy's and the reference's log-probs of all its sequences,
+    (posttrain.core.preference.kto_kl over the policy's and the reference's log-probs of all its sequences,
     both no-grad; needs a live `reference`); otherwise dpo_loss's batch estimate."""
     types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
     reference_free = set(types) <= set(REFERENCE_FREE_LOSSES)
@@ -231,7 +231,7 @@ def dpo_objective(beta: float, loss_type: str | Sequence[str] = "sigmoid", label
 def kto_objective(beta: float, reference: Callable[[dict[str, Any]], torch.Tensor] | None = None,
                   desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
                   kl_group: dist.ProcessGroup | None = None, kl_reduce: bool = False) -> Callable:
-    """KTO on unpaired data (core.preference.kto_loss) over a collate_unpaired batch: each
+    """KTO on unpaired data (posttrain.core.preference.kto_loss) over a collate_unpaired batch: each
     example's completion log-prob under the policy and the reference (`reference(batch)`, or the
     precomputed `batch["ref_logps"]` (N,) when None), the reference point z0 from the batch's
     mismatched pairs (`batch["kto_kl_batch"]`: the policy's and reference's log-probs, no grad;
@@ -354,7 +354,7 @@ def _token_output(model: nn.Module, batch: dict[str, Any], head: Callable, vocab
 def topk_distill_objective(rows: Callable, kind: str = "forward_kl", temperature: float = 1.0, beta: float = 0.5,
                            ce_weight: float = 0.0) -> Callable:
     """Offline distillation from a cached teacher top-k: `rows(doc_indices)` gives the (T, k) ids
-    and log-probs of the batch's positions (stages.distill.TeacherTopK). Only the trained
+    and log-probs of the batch's positions (posttrain.stages.distill.TeacherTopK). Only the trained
     positions' logits are computed; under context parallelism the rows of this rank's share are
     taken, under tensor parallelism the loss is vocab-parallel (the cache holds global ids)."""
 
@@ -393,7 +393,7 @@ def teacher_topk(teacher: nn.Module, batch: dict[str, Any], k: int) -> tuple[tor
     (vocab_parallel_topk), every rank of the tp group getting the same rows; sequence parallelism
     is switched off for it. Under pipeline parallelism the last stage takes them and the
     pipeline's other ranks get them too (a pipeline-split model's forward)."""
-    from core.parallel.tensor import decode_without_sequence_parallel
+    from posttrain.core.parallel.tensor import decode_without_sequence_parallel
 
     def head(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         group = _tp_group(teacher)  # looked up here: under pp only the last stage holds the head

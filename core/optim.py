@@ -1,5 +1,5 @@
 """OptimConfig and what it means: parameter groups and the learning-rate schedule
-(core.optimizers.build_optimizer builds the optimizer from them, docs/optimizers.md says which).
+(posttrain.core.optimizers.build_optimizer builds the optimizer from them, docs/optimizers.md says which).
 Torch-free, like every config module."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from core.config import ConfigModel
+from posttrain.core.config import ConfigModel
 
 if TYPE_CHECKING:
     from torch import nn
@@ -68,7 +68,7 @@ def param_groups(model: nn.Module, weight_decay: float, adapters: Sequence[str] 
     (several LoRA adapters trained at once) each adapter's parameters form groups of their own,
     tagged `adapter` (its name), at its learning rate (`adapter_lr`, default `lr`)."""
     if adapters:
-        from core.lora import lora_parameters
+        from posttrain.core.lora import lora_parameters
 
         groups = []
         for name in adapters:

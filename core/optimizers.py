@@ -1,4 +1,4 @@
-"""The optimizer an OptimConfig names (`optim.name`), built over core.optim.param_groups.
+"""The optimizer an OptimConfig names (`optim.name`), built over posttrain.core.optim.param_groups.
 
 - adamw: torch.optim.AdamW. foreach by default; fused on CUDA when every parameter is alike
   (all DTensors or none), or wherever `optim.fused: true` asks (torch 2.13 has the fused kernel
@@ -13,7 +13,7 @@
 - muon: MuonWithAdamW below, torch.optim.Muon on the hidden matrices and AdamW on the rest.
 
 Every optimizer is one torch.optim.Optimizer with the state layout torch's own have, so
-core.checkpoint saves and resumes it (flattened by parameter name) and LambdaLR schedules it.
+posttrain.core.checkpoint saves and resumes it (flattened by parameter name) and LambdaLR schedules it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from core.optim import OptimConfig, param_groups
+from posttrain.core.optim import OptimConfig, param_groups
 
 TORCHAO_HINT = "pip install 'posttrain[optim]' (or: pip install torchao==0.18.0)"
 

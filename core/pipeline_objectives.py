@@ -1,4 +1,4 @@
-"""Objectives under pipeline parallelism (core.parallel.pipeline): SFT, DPO and online and offline
+"""Objectives under pipeline parallelism (posttrain.core.parallel.pipeline): SFT, DPO and online and offline
 distillation for the Trainer, each running the schedule's forward and backward itself.
 
 The schedule runs fixed shapes, so a micro-batch is re-laid as `rows` padded rows of `seq_len`
@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from core.losses import IGNORE_INDEX, distill_loss, distill_loss_topk, dpo_loss
-from core.losses import token_logps as core_token_logps
-from core.parallel.losses import (vocab_parallel_cross_entropy, vocab_parallel_distill_loss, vocab_parallel_distill_topk,
+from posttrain.core.losses import IGNORE_INDEX, distill_loss, distill_loss_topk, dpo_loss
+from posttrain.core.losses import token_logps as core_token_logps
+from posttrain.core.parallel.losses import (vocab_parallel_cross_entropy, vocab_parallel_distill_loss, vocab_parallel_distill_topk,
                                   vocab_parallel_token_logps)
-from core.trainer import LossOutput
+from posttrain.core.trainer import LossOutput
 
 
 def pipeline_token_loss(tp_group: dist.ProcessGroup | None) -> Callable:
@@ -59,12 +59,12 @@ def pipeline_rows(batch: dict[str, Any], rows: int, seq_len: int) -> tuple[torch
 def cp_local(pipe, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Under context parallelism (pipeline stages with ring attention), this rank's share of each
     (rows, seq_len, ...) tensor laid out as the pipeline's rows: the two load-balanced chunks of
-    every row (core.parallel.context.context_parallel_shard; labels were shifted on the whole
+    every row (posttrain.core.parallel.context.context_parallel_shard; labels were shifted on the whole
     row, so a chunk's last target is right); else the tensors as they are."""
     group = _cp_group(pipe)
     if group is None:
         return rows
-    from core.parallel.context import context_parallel_shard
+    from posttrain.core.parallel.context import context_parallel_shard
 
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     return tuple(context_parallel_shard(t, rank, cp, dim=1) for t in rows)
@@ -80,7 +80,7 @@ def _whole_rows(pipe, per_row: torch.Tensor) -> torch.Tensor:
     group = _cp_group(pipe)
     if group is None:
         return per_row
-    from core.parallel.context import sum_over_shards
+    from posttrain.core.parallel.context import sum_over_shards
 
     return sum_over_shards(per_row, group)
 
@@ -236,7 +236,7 @@ def pipelined_dpo(pipe, rows: int, seq_len: int, pp_group: dist.ProcessGroup, be
     refuses under pipeline parallelism)."""
 
     def objective(model: nn.Module, batch: dict[str, Any]) -> LossOutput:
-        from core.lora import disable_adapter
+        from posttrain.core.lora import disable_adapter
 
         n, train = batch["num_pairs"], torch.is_grad_enabled()
         ref = None
@@ -294,7 +294,7 @@ def pipelined_distill(pipe, teacher_pipe, rows: int, seq_len: int, pp_group: dis
                       kind: str = "forward_kl", temperature: float = 1.0, beta: float = 0.5, ce_weight: float = 0.0,
                       teacher_phase: Callable[[], Any] | None = None) -> Callable:
     """distill_objective under pipeline parallelism: the teacher, split into the same stages
-    (stages.recipe.parallelize_frozen), runs each micro-batch's rows forward-only first, its last
+    (posttrain.stages.recipe.parallelize_frozen), runs each micro-batch's rows forward-only first, its last
     stage keeping each microbatch's logits; then the student's schedule runs, its last stage's loss
     of a microbatch the divergence to those logits summed over the microbatch's target positions
     (+ ce_weight x the token cross entropy), vocab-parallel under tensor parallelism.

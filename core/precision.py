@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
-from core.config import ConfigModel
+from posttrain.core.config import ConfigModel
 
 if TYPE_CHECKING:
     import torch

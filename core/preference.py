@@ -1,7 +1,7 @@
 """The preference-loss family (DPO and its relatives, ORPO, KTO) as pure functions.
 
 Tensors in, tensors out: per-sequence summed log-probs (B,) of the policy and the reference for
-each pair's chosen (y_w) and rejected (y_l) response. `dpo_loss` is re-exported by core.losses;
+each pair's chosen (y_w) and rejected (y_l) response. `dpo_loss` is re-exported by posttrain.core.losses;
 docs/preference_losses.md lists every loss with its formula and where posttrain's conventions
 differ from TRL's DPOTrainer on the same name. All math runs in at least fp32 (fp64 stays fp64).
 """
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.chunked_losses import check_choice, compute_dtype
+from posttrain.kernels.chunked_losses import check_choice, compute_dtype
 
-from core.preference_types import (  # noqa: F401  (re-exported)
+from posttrain.core.preference_types import (  # noqa: F401  (re-exported)
     DPO_LOSS_TYPES,
     F_DIVERGENCE_LOSSES,
     F_DIVERGENCES,
@@ -301,7 +301,7 @@ def length_desensitized_logps(per_token: Tensor, targets: Tensor, sequence_ids: 
     (alpha = 1: plain DPO). Works on per-token log-probs of any layout whose sequences are
     contiguous (packed or padded rows): `per_token` and `targets` (bool, the scored positions)
     alike shaped, `sequence_ids` giving each position's sequence (chosen 0..N-1, rejected N..2N-1,
-    -1 padding), as core.data.packing.collate_preference lays them out. Returns (2N,)."""
+    -1 padding), as posttrain.core.data.packing.collate_preference lays them out. Returns (2N,)."""
     if not 0 <= alpha <= 1:
         raise ValueError(f"ld_alpha must be in [0, 1], got {alpha}")
     n_seq = 2 * num_pairs

@@ -1,5 +1,5 @@
-"""The names of the preference-loss family (core.preference) and the groups config checks use:
-plain data, importable without torch (stages.config, the run form)."""
+"""The names of the preference-loss family (posttrain.core.preference) and the groups config checks use:
+plain data, importable without torch (posttrain.stages.config, the run form)."""
 
 from __future__ import annotations
 

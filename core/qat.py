@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from core.config import ConfigModel
+from posttrain.core.config import ConfigModel
 
 if TYPE_CHECKING:
     import torch
@@ -107,7 +107,7 @@ def eligible(module: nn.Module, fqn: str, qat: QATConfig) -> bool:
     whose input width divides into int4 groups."""
     from torch import nn
 
-    from core.lora.layer import LoRALinear
+    from posttrain.core.lora.layer import LoRALinear
 
     if not isinstance(module, (nn.Linear, LoRALinear)) or not fqn.startswith("layers."):
         return False
@@ -119,7 +119,7 @@ def eligible(module: nn.Module, fqn: str, qat: QATConfig) -> bool:
 def prepare_qat(model: nn.Module, qat: QATConfig) -> int:
     """Fake quantization on every eligible layer, in place (before parallelizing); returns how
     many layers got it."""
-    from core.lora.layer import LoRALinear
+    from posttrain.core.lora.layer import LoRALinear
 
     n = 0
     for fqn, module in list(model.named_modules()):

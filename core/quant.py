@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.nf4 import NF4_CODE, NF4Tensor, quantize_nf4  # noqa: F401
-from kernels.nf4 import dequantize_nf4_reference as dequantize_nf4
+from posttrain.kernels.nf4 import NF4_CODE, NF4Tensor, quantize_nf4  # noqa: F401
+from posttrain.kernels.nf4 import dequantize_nf4_reference as dequantize_nf4
 
 
 class _NF4Linear(torch.autograd.Function):

@@ -2,7 +2,7 @@
 
 Each task turns a random instance into a prompt and its one correct answer, and offers a
 plausible wrong answer for preference pairs. Rows carry the answer in their `answer` column,
-which the built-in rewards (core.rewards: exact_match, DPO's default on-policy reward) compare
+which the built-in rewards (posttrain.core.rewards: exact_match, DPO's default on-policy reward) compare
 completions against, so every stage of the demo pipeline has a number that can rise.
 """
 
@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from core.rewards import exact_match
+from posttrain.core.rewards import exact_match
 
 LETTERS = "abcdefghij"
 DIGITS = "0123456789"

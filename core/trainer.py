@@ -10,7 +10,7 @@ Losses are accumulated as *sums* over target tokens and divided by the step's to
 token-weighted mean whatever the micro-batching, accumulation or data-parallel layout: every
 layout reproduces the single-process step.
 
-Several LoRA adapters trained at once (`adapters`, each example routed to its own: core.lora's
+Several LoRA adapters trained at once (`adapters`, each example routed to its own: posttrain.core.lora's
 route_adapters) are as many trainings in one: every adapter has its own parameter groups (and
 learning rate), its gradient is normalized by the tokens routed to it (LossOutput.adapter_tokens)
 and clipped on its own, and an adapter that no token of the step reached does not step at all (no
@@ -30,11 +30,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from core.optim import OptimConfig, lr_lambda, param_groups  # noqa: F401 (param_groups: re-exported)
-from core.optimizers import build_optimizer
-from core.parallel.grad_norm import clip_grad_norm_ as clip_across_meshes
-from core.precision import LossScaler
-from core.reliability import all_reduce
+from posttrain.core.optim import OptimConfig, lr_lambda, param_groups  # noqa: F401 (param_groups: re-exported)
+from posttrain.core.optimizers import build_optimizer
+from posttrain.core.parallel.grad_norm import clip_grad_norm_ as clip_across_meshes
+from posttrain.core.precision import LossScaler
+from posttrain.core.reliability import all_reduce
 
 
 @dataclass
@@ -72,9 +72,9 @@ class Trainer:
         pp_group: dist.ProcessGroup | None = None,
         loss_scaler: LossScaler | None = None,
     ):
-        """model: already parallelized (core.parallel.parallelize) and on its device.
+        """model: already parallelized (posttrain.core.parallel.parallelize) and on its device.
         dp_group: the data-parallel group over which token counts are summed: the ranks that see
-        distinct tokens (mesh.group("dp_cp") under core.parallel; tp ranks share theirs).
+        distinct tokens (mesh.group("dp_cp") under posttrain.core.parallel; tp ranks share theirs).
         grads_are_averaged: True when the DP wrapper (DDP, FSDP) averages gradients over ranks,
         so the token normalization must undo that division.
         stats_group: where MoE tokens_per_expert are summed; default dp_group (under tp, whose
@@ -82,13 +82,13 @@ class Trainer:
         adapters: several LoRA adapters trained at once (module docstring), at optim.lr or their
         `adapter_lr`; the objective then reports LossOutput.adapter_tokens.
         aux_group, aux_scale: under tp / cp each rank's MoE aux loss is its share of the whole
-        sequence's, pre-scaled by cp (core.parallel.expert.global_aux_loss): the logged
+        sequence's, pre-scaled by cp (posttrain.core.parallel.expert.global_aux_loss): the logged
         moe/aux_loss is the shares summed over aux_group (mesh.group("cp_tp")) / aux_scale (cp).
-        pp_group: under pipeline parallelism (model = this rank's stages, core.parallel.pipeline.
+        pp_group: under pipeline parallelism (model = this rank's stages, posttrain.core.parallel.pipeline.
         keep_own_stages) the objective runs the schedule's forward and backward itself
-        (core.pipeline_objectives.pipelined_sft: LossOutput.backward_done, the MoE aux loss attached inside)
+        (posttrain.core.pipeline_objectives.pipelined_sft: LossOutput.backward_done, the MoE aux loss attached inside)
         and the gradient norm is summed over the stages.
-        loss_scaler: fp16's dynamic loss scale (core.precision.LossScaler): each loss is scaled
+        loss_scaler: fp16's dynamic loss scale (posttrain.core.precision.LossScaler): each loss is scaled
         before backward, the gradients unscaled with the token normalization, and a step whose
         gradients overflowed is skipped with `overflow=1` while the scale backs off."""
         self.model = model
@@ -152,7 +152,7 @@ class Trainer:
         if self.adapters:
             if out.adapter_tokens is None or out.adapter_tokens.shape != (len(self.adapters),):
                 raise ValueError(f"training adapters {self.adapters}: the objective must report adapter_tokens, one "
-                                 "count per adapter (stages.training.routed wraps an objective so)")
+                                 "count per adapter (posttrain.stages.training.routed wraps an objective so)")
             self._adapter_tokens += out.adapter_tokens.to(self.device, torch.float64)
         self._loss += out.loss_sum.detach().double()
         for k, v in out.metrics.items():
@@ -252,7 +252,7 @@ class Trainer:
     # -- state -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The trainer's own counters (model/optimizer state is saved by core.checkpoint)."""
+        """The trainer's own counters (model/optimizer state is saved by posttrain.core.checkpoint)."""
         state = {"step": self.step, "skipped_steps": self.skipped_steps}
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
@@ -266,7 +266,7 @@ class Trainer:
 
     def save_state(self, manager, extra: dict[str, Any] | None = None, force: bool = True):
         """Write a checkpoint of model, optimizer, schedule, trainer counters and `extra`
-        (e.g. the data sampler position) through a core.checkpoint.CheckpointManager."""
+        (e.g. the data sampler position) through a posttrain.core.checkpoint.CheckpointManager."""
         extra = {"trainer": self.state_dict(), **(extra or {})}
         return manager.save(self.step, self.model, self.optimizer, self.scheduler, extra=extra, force=force)
 

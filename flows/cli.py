@@ -29,17 +29,17 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def _pipeline(args):
-    from core.config import load_config
-    from flows.config import PipelineConfig
-    from flows.demo import DEMO_CONFIG
+    from posttrain.core.config import load_config
+    from posttrain.flows.config import PipelineConfig
+    from posttrain.flows.demo import DEMO_CONFIG
 
     return load_config(PipelineConfig, args.config or DEMO_CONFIG, args.overrides)
 
 
 def print_plan(cfg) -> None:
     """The resolved DAG: each node's kind, inputs, output dir and what a run would do with it."""
-    from flows.dag import PipelineDAG
-    from flows.pipeline import dry_run
+    from posttrain.flows.dag import PipelineDAG
+    from posttrain.flows.pipeline import dry_run
 
     dag = PipelineDAG(cfg)
     rows = dry_run(dag)
@@ -54,10 +54,10 @@ def print_plan(cfg) -> None:
 
 
 def cmd_config(args) -> int:
-    from core.config import dump_config
+    from posttrain.core.config import dump_config
 
     if args.convert:
-        from flows.convert import convert_file
+        from posttrain.flows.convert import convert_file
 
         print(convert_file(args.convert), end="")
         return 0
@@ -70,7 +70,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from flows.pipeline import run_pipeline
+    from posttrain.flows.pipeline import run_pipeline
 
     cfg = _pipeline(args)
     if args.dry_run:
@@ -81,21 +81,21 @@ def cmd_run(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from flows.demo import main
+    from posttrain.flows.demo import main
 
     return main(args.overrides)
 
 
 def cmd_stage(args) -> int:
-    from core.config import ConfigError, load_config
-    from stages.config import STAGE_CONFIGS
-    from stages.launch import launch_stage
+    from posttrain.core.config import ConfigError, load_config
+    from posttrain.stages.config import STAGE_CONFIGS
+    from posttrain.stages.launch import launch_stage
 
     if args.name not in STAGE_CONFIGS:
         print(f"unknown stage {args.name!r}; stages: {', '.join(STAGE_CONFIGS)}", file=sys.stderr)
         return 2
-    from core.tracking import TrackingConfig
-    from stages.launch.config import LauncherConfig
+    from posttrain.core.tracking import TrackingConfig
+    from posttrain.stages.launch.config import LauncherConfig
 
     from pydantic import ValidationError
 
@@ -114,14 +114,14 @@ def cmd_stage(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from flows.deploy import serve
+    from posttrain.flows.deploy import serve
 
     serve(args.config, args.overrides)
     return 0
 
 
 def cmd_ui(args) -> int:
-    from flows.ui import run_ui
+    from posttrain.flows.ui import run_ui
 
     try:
         return run_ui(host=args.host, prefect_port=args.prefect_port, mlflow_port=args.mlflow_port,
@@ -134,12 +134,12 @@ def cmd_ui(args) -> int:
 def cmd_bench(args) -> int:
     import subprocess
 
-    modules = {"sft": "benchmarks.sft", "kernels": "benchmarks.kernels", "adapters": "benchmarks.adapters",
-               "weight_sync": "benchmarks.weight_sync", "generate": "benchmarks.generate", "online": "benchmarks.online",
-               "serve": "benchmarks.serve", "optimizers": "benchmarks.optimizers", "precision": "benchmarks.precision",
-               "qat": "benchmarks.qat", "gpu": "benchmarks.gpu", "dpo": "benchmarks.dpo",
-               "distill": "benchmarks.distill", "qlora": "benchmarks.qlora", "profile": "benchmarks.profile",
-               "multi_adapter": "benchmarks.adapters"}  # (multi_adapter: the adapters benchmark's other name)
+    modules = {"sft": "posttrain.benchmarks.sft", "kernels": "posttrain.benchmarks.kernels", "adapters": "posttrain.benchmarks.adapters",
+               "weight_sync": "posttrain.benchmarks.weight_sync", "generate": "posttrain.benchmarks.generate", "online": "posttrain.benchmarks.online",
+               "serve": "posttrain.benchmarks.serve", "optimizers": "posttrain.benchmarks.optimizers", "precision": "posttrain.benchmarks.precision",
+               "qat": "posttrain.benchmarks.qat", "gpu": "posttrain.benchmarks.gpu", "dpo": "posttrain.benchmarks.dpo",
+               "distill": "posttrain.benchmarks.distill", "qlora": "posttrain.benchmarks.qlora", "profile": "posttrain.benchmarks.profile",
+               "multi_adapter": "posttrain.benchmarks.adapters"}  # (multi_adapter: the adapters benchmark's other name)
     # `all` is what runs on this machine; the GPU script is run on its own, on a GPU (benchmarks/gpu.py)
     which = [w for w in modules if w not in ("gpu", "multi_adapter")] if args.what == "all" else [args.what]
     rc = 0
@@ -152,10 +152,10 @@ def cmd_bench(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from core.model.config import ModelConfig
-    from core.model.generate import SamplingParams, generate
-    from registry.hf import CheckpointError
-    from stages.common import StageError, load_model, load_tokenizer, resolve_model_dir
+    from posttrain.core.model.config import ModelConfig
+    from posttrain.core.model.generate import SamplingParams, generate
+    from posttrain.registry.hf import CheckpointError
+    from posttrain.stages.common import StageError, load_model, load_tokenizer, resolve_model_dir
 
     try:
         is_preset = resolve_model_dir(args.model)[0] is None
@@ -163,7 +163,7 @@ def cmd_generate(args) -> int:
         vocab = model.args.vocab_size
         if args.tokenizer is None and is_preset:
             # A preset has random weights and no tokenizer: bytes + ChatML, built in memory.
-            from registry.byte_tokenizer import byte_tokenizer
+            from posttrain.registry.byte_tokenizer import byte_tokenizer
 
             try:
                 tok = byte_tokenizer(vocab)
@@ -235,12 +235,12 @@ def _resolve_model(ref: str, args) -> tuple[str, str, bool]:
     a registered model (`models:/name@alias`, fetched into --registry-cache; its version
     'name/v3 run ID'), a stage output or HF directory (its real path, both), a preset name.
     StageError when it names nothing servable."""
-    from stages.common import StageError, resolve_model_dir
+    from posttrain.stages.common import StageError, resolve_model_dir
 
     local, version = ref, ref
     if ref.startswith("models:/"):  # a registered MLflow model, fetched into a local cache
-        from core.tracking.config import default_tracking_uri
-        from registry.mlflow_registry import fetch_registered
+        from posttrain.core.tracking.config import default_tracking_uri
+        from posttrain.registry.mlflow_registry import fetch_registered
 
         try:
             path, version = fetch_registered(args.tracking_uri or default_tracking_uri(), ref,
@@ -259,9 +259,9 @@ def _resolve_model(ref: str, args) -> tuple[str, str, bool]:
 def _serve_replicas(args, model_ref: str, version: str, api_key: str | None) -> int:
     """--replicas N > 1: N `serve-model` processes on loopback ports behind one front end; a
     reload (POST /admin/reload, SIGHUP) resolves its reference with `_resolve_model`."""
-    from stages.common import StageError, resolve_model_dir
-    from stages.serving.frontend import serve_replicas
-    from stages.serving.routing import Router
+    from posttrain.stages.common import StageError, resolve_model_dir
+    from posttrain.stages.serving.frontend import serve_replicas
+    from posttrain.stages.serving.routing import Router
 
     name = args.served_model_name or args.model
 
@@ -283,10 +283,10 @@ def _serve_replicas(args, model_ref: str, version: str, api_key: str | None) -> 
     def command(port: int, model: str) -> list[str]:
         device = args.device
         if k > 1 and device.startswith("cuda"):  # replica i: its own K GPUs
-            from stages.serving.tp import rank_device
+            from posttrain.stages.serving.tp import rank_device
 
             device = rank_device(device, ports.index(port) * k)
-        cmd = [sys.executable, "-m", "flows.cli", "serve-model", model, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "posttrain.flows.cli", "serve-model", model, "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", name, "--max-queue", str(args.max_queue),
                "--max-num-seqs", str(args.max_num_seqs), "--device", device, f"--{layout}", str(k)]
         if args.adapters:
@@ -305,8 +305,8 @@ def _serve_replicas(args, model_ref: str, version: str, api_key: str | None) -> 
 
 
 def _check_preset(name: str) -> None:
-    from core.model import get_preset
-    from stages.common import StageError
+    from posttrain.core.model import get_preset
+    from posttrain.stages.common import StageError
 
     try:
         get_preset(name)
@@ -319,9 +319,9 @@ def cmd_serve_model(args) -> int:
 
     import torch
 
-    from registry.hf import CheckpointError
-    from stages.common import StageError
-    from stages.serving.server import EngineSettings, load_served, make_state, parse_adapters, serve
+    from posttrain.registry.hf import CheckpointError
+    from posttrain.stages.common import StageError
+    from posttrain.stages.serving.server import EngineSettings, load_served, make_state, parse_adapters, serve
 
     problem = _check_serve_args(args)
     if problem:
@@ -333,7 +333,7 @@ def cmd_serve_model(args) -> int:
         api_key = args.api_key or os.environ.get("POSTTRAIN_API_KEY") or None
         layout, k = _group(args)
         if k > 1:
-            from stages.serving.tp import check_group
+            from posttrain.stages.serving.tp import check_group
 
             check_group(model_ref, layout, k, args.device, replicas=args.replicas)
         if args.replicas > 1:  # the replicas load the model; here only what would fail in each of them
@@ -346,7 +346,7 @@ def cmd_serve_model(args) -> int:
                 print("serve-model: no --api-key / POSTTRAIN_API_KEY: every route is open", file=sys.stderr)
             return _serve_replicas(args, model_ref, version, api_key)
         if k > 1:
-            from stages.serving.tp import serve_group
+            from posttrain.stages.serving.tp import serve_group
 
             if api_key is None:
                 print("serve-model: no --api-key / POSTTRAIN_API_KEY: every route is open", file=sys.stderr)
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     # ephemeral server's SQLite lock and fills the log with "database is locked").
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args = build_parser().parse_args(argv)
-    from core.config import ConfigError
+    from posttrain.core.config import ConfigError
 
     try:
         return args.func(args)

@@ -1,5 +1,5 @@
 """PipelineConfig: a DAG of nodes the user writes, plus the launcher, tracking, registry and
-resources they share. flows.dag expands and wires it; flows.pipeline runs it.
+resources they share. posttrain.flows.dag expands and wires it; posttrain.flows.pipeline runs it.
 
     nodes:
       prep:    {kind: data_prep, synthetic_size: 3000}
@@ -12,7 +12,7 @@ resources they share. flows.dag expands and wires it; flows.pipeline runs it.
 A node is a stage of one `kind` with that kind's settings (stages/config.py) and names other nodes
 wherever it takes a model or data. `sweep` expands a node over the grid of the listed values
 (`name@rank=8`, ...), `rounds` (DPO) chains K copies, each starting from the one before
-(`name@r1` ... `name@rK`); flows.dag documents how references to expanded nodes resolve.
+(`name@r1` ... `name@rK`); posttrain.flows.dag documents how references to expanded nodes resolve.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from core.config import ConfigModel, ensure_within
-from core.tracking import TrackingConfig
-from flows.nodes import NODE_CLASSES, NODE_NAME, Node, node_error, with_defaults
-from registry.mlflow_registry import RegistryConfig
-from stages.config import KINDS
-from stages.launch.config import LauncherConfig
+from posttrain.core.config import ConfigModel, ensure_within
+from posttrain.core.tracking import TrackingConfig
+from posttrain.flows.nodes import NODE_CLASSES, NODE_NAME, Node, node_error, with_defaults
+from posttrain.registry.mlflow_registry import RegistryConfig
+from posttrain.stages.config import KINDS
+from posttrain.stages.launch.config import LauncherConfig
 
 _LEGACY = ("stages", "data_prep", "sft_teacher", "sft_student", "distill", "dpo", "evaluate")
 
@@ -130,7 +130,7 @@ class PipelineConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
-        from flows.dag import PipelineDAG
+        from posttrain.flows.dag import PipelineDAG
 
         dag = PipelineDAG(self)  # expansion, references, types, cycles, layouts, files: ValueError naming the node
         base = self.registry.baseline

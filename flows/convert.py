@@ -96,7 +96,7 @@ def convert(old: dict[str, Any]) -> dict[str, Any]:
 
 
 def convert_file(path: str | Path) -> str:
-    from core.config import ConfigError, _read
+    from posttrain.core.config import ConfigError, _read
 
     old = _read(Path(path))
     if "nodes" in old:

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ValidationError
 
-from flows.nodes import NODE_CLASSES, node_error, stage_spec
-from stages.config import StageConfig, check_layout
+from posttrain.flows.nodes import NODE_CLASSES, node_error, stage_spec
+from posttrain.stages.config import StageConfig, check_layout
 
 if TYPE_CHECKING:
-    from flows.config import PipelineConfig
+    from posttrain.flows.config import PipelineConfig
 
 Role = Literal["model", "teacher", "judge", "evaluated", "data"]
 TRAIN_KINDS = ("sft", "distill", "dpo", "grpo")
@@ -116,7 +116,7 @@ def _data_refs(cfg: Any) -> list[tuple[str, str]]:
 
 
 def _presets() -> set[str]:
-    from core.model.args import PRESETS
+    from posttrain.core.model.args import PRESETS
 
     return set(PRESETS)
 
@@ -358,7 +358,7 @@ class PipelineDAG:
             return self.model_shape(up)
         ref = node.cfg.model.name_or_path
         if ref in _presets():
-            from core.model.args import get_preset
+            from posttrain.core.model.args import get_preset
 
             try:
                 a = get_preset(ref, **node.cfg.model.overrides)
@@ -389,7 +389,7 @@ class PipelineDAG:
 
     def launcher(self, name: str):
         """How node `name` is launched (a copy): its own launcher, else the pipeline's; a data-prep
-        node runs as one process whatever the ranks asked for (rank 0 does all of stages.data_prep),
+        node runs as one process whatever the ranks asked for (rank 0 does all of posttrain.stages.data_prep),
         which is also what the device pool books for it."""
         node = self.nodes[name]
         launcher = (node.cfg.launcher or self.cfg.launcher).model_copy(deep=True)
@@ -415,7 +415,7 @@ class PipelineDAG:
                 if u.selected is None:
                     raise RuntimeError(f"evaluate node {src!r} selected no model")
                 return u.selected
-            if adapter is not None:  # stages.adapters.merged_dir
+            if adapter is not None:  # posttrain.stages.adapters.merged_dir
                 return str(Path(u.output_dir) / f"model-{adapter}")
             return u.output_dir
 

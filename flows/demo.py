@@ -17,10 +17,10 @@ def main(overrides: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from core.config import load_config
-    from flows.config import PipelineConfig
-    from flows.pipeline import run_pipeline
-    from flows.report import stage_table
+    from posttrain.core.config import load_config
+    from posttrain.flows.config import PipelineConfig
+    from posttrain.flows.pipeline import run_pipeline
+    from posttrain.flows.report import stage_table
 
     console = Console()
     cfg = load_config(PipelineConfig, DEMO_CONFIG, overrides or [])
@@ -34,7 +34,7 @@ def main(overrides: list[str] | None = None) -> int:
     for row in stage_table(result.stages):
         table.add_row(row["stage"], row["metric"], _fmt(row["before"]), _fmt(row["after"]), str(row["cached"]))
     console.print(table)
-    from flows.report import eval_results
+    from posttrain.flows.report import eval_results
 
     for name, ev in result.stages.items():
         if ev.kind != "evaluate":

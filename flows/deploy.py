@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.config import load_config
-from flows.config import PipelineConfig
-from flows.pipeline import post_training
+from posttrain.core.config import load_config
+from posttrain.flows.config import PipelineConfig
+from posttrain.flows.pipeline import post_training
 
 ON_DEMAND = "on-demand"
 SCHEDULED = "scheduled-retraining"
@@ -41,12 +41,12 @@ def machine_timezone() -> str:
 
 def build_deployments(cfg: PipelineConfig) -> list:
     """The on-demand deployment and, when the config has a cron `schedule`, the scheduled one. Both
-    carry the config's own run form (flows.form.form_schema: one section per node, everyday knobs
+    carry the config's own run form (posttrain.flows.form.form_schema: one section per node, everyday knobs
     first, no serve-time fields) and a markdown summary of the DAG as their description."""
     from prefect.schedules import Cron
     from prefect.utilities.callables import ParameterSchema
 
-    from flows.form import form_schema, run_parameters, summary
+    from posttrain.flows.form import form_schema, run_parameters, summary
 
     params, schema = run_parameters(cfg), ParameterSchema(**form_schema(cfg))
     deployments = [post_training.to_deployment(
@@ -68,7 +68,7 @@ def serve(config: str | Path | None = None, overrides: list[str] | None = None) 
     """Register the deployments with the Prefect API and execute their runs until interrupted."""
     from prefect import serve as prefect_serve
 
-    from flows.demo import DEMO_CONFIG
+    from posttrain.flows.demo import DEMO_CONFIG
 
     cfg = load_config(PipelineConfig, config or DEMO_CONFIG, overrides or [])
     prefect_serve(*build_deployments(cfg))

@@ -23,7 +23,7 @@ only show as one JSON editor. A deployment serves one config, so its schema here
 
 Cross-field rules (val + test fractions <= 1, a layout the ranks can take, references between
 nodes) are not JSON schema: the flow validates the whole PipelineConfig when the run starts and
-fails in its first second naming the key path (flows.pipeline, core.config._format).
+fails in its first second naming the key path (posttrain.flows.pipeline, posttrain.core.config._format).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import copy
 import re
 from typing import Any
 
-from core.config import dump_config
-from core.titles import field_title
-from flows.config import PipelineConfig
+from posttrain.core.config import dump_config
+from posttrain.core.titles import field_title
+from posttrain.flows.config import PipelineConfig
 
 SERVE_ONLY = ("schedule", "schedule_timezone")
 
@@ -143,7 +143,7 @@ def form_schema(cfg: PipelineConfig) -> dict[str, Any]:
     """The run-form schema of a deployment serving `cfg` (see the module docstring)."""
     from prefect.utilities.callables import parameter_schema
 
-    from flows.pipeline import post_training
+    from posttrain.flows.pipeline import post_training
 
     schema = copy.deepcopy(parameter_schema(post_training.fn).model_dump())
     defs = schema["definitions"]

@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, ValidationError
 
-from core.config import ConfigModel
-from stages.config import DataPrepConfig, DistillConfig, DPOConfig, EvalConfig, GRPOConfig, SFTConfig, StageConfig
+from posttrain.core.config import ConfigModel
+from posttrain.stages.config import DataPrepConfig, DistillConfig, DPOConfig, EvalConfig, GRPOConfig, SFTConfig, StageConfig
 
 NODE_NAME = r"^[A-Za-z][A-Za-z0-9_-]*$"
 _NODE_FIELDS = ("kind", "sweep", "rounds")
@@ -54,7 +54,7 @@ Node = Annotated[Union[DataPrepNode, SFTNode, DistillNode, DPONode, GRPONode, Ev
 
 def stage_spec(node: StageConfig) -> StageConfig:
     """The stage config a node runs: the node minus its node-only fields (kind, sweep, rounds)."""
-    from stages.config import STAGE_CONFIGS
+    from posttrain.stages.config import STAGE_CONFIGS
 
     data = node.model_dump(exclude=set(_NODE_FIELDS))
     return STAGE_CONFIGS[node.kind].model_validate(data)  # type: ignore[attr-defined]
@@ -63,7 +63,7 @@ def stage_spec(node: StageConfig) -> StageConfig:
 def node_error(name: str, cls: type, e: ValidationError) -> str:
     """The node's validation errors with `nodes.<name>` in front of each key path (a check of the
     node as a whole: `nodes.<name>: problem`)."""
-    from core.config import _format
+    from posttrain.core.config import _format
 
     return _format(cls, e, "", [], prefix=f"nodes.{name}")
 
@@ -73,7 +73,7 @@ def with_defaults(cls: type[StageConfig], node: dict[str, Any]) -> dict[str, Any
     onto a schema's defaults: `lora: {rank: 8}` in a DPO node keeps DPO's `lora.enabled: true` (a
     partial section would otherwise start from the section's plain defaults), `data: prep` keeps
     the kind's data format. Shorthands (`model: student`) are written out first."""
-    from core.config import _expand_shorthand, _merge
+    from posttrain.core.config import _expand_shorthand, _merge
 
     try:
         defaults = cls().model_dump(mode="json")

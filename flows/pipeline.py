@@ -1,8 +1,8 @@
-"""The post-training pipeline as one Prefect flow: a task per DAG node (flows.dag), named after
-the node; independent nodes run concurrently as far as the devices allow (flows.resources), each
-node's output directory locked while it runs (flows.workspace), nodes cached by the content
+"""The post-training pipeline as one Prefect flow: a task per DAG node (posttrain.flows.dag), named after
+the node; independent nodes run concurrently as far as the devices allow (posttrain.flows.resources), each
+node's output directory locked while it runs (posttrain.flows.workspace), nodes cached by the content
 hashes of their inputs and the settings that change their result, retried with backoff, and
-tracked as one MLflow parent run with a child run per node (flows.runs: opened when the node
+tracked as one MLflow parent run with a child run per node (posttrain.flows.runs: opened when the node
 launches; a cached node's points at the run it reused).
 
 The flow never imports torch: each node runs as its own torchrun job (stages/launch/), which is
@@ -23,12 +23,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 from prefect.states import Completed
 
-from core.config import dump_config
-from core.manifest import CHECKPOINTS, MANIFEST, clear_partial, digest, is_stage_dir, read_manifest
-from flows.config import PipelineConfig
-from flows.dag import PipelineDAG, Upstream
-from flows.runs import RUN_ID_ENV, end_if_running, open_node_run, record_cached
-from stages.config import StageConfig
+from posttrain.core.config import dump_config
+from posttrain.core.manifest import CHECKPOINTS, MANIFEST, clear_partial, digest, is_stage_dir, read_manifest
+from posttrain.flows.config import PipelineConfig
+from posttrain.flows.dag import PipelineDAG, Upstream
+from posttrain.flows.runs import RUN_ID_ENV, end_if_running, open_node_run, record_cached
+from posttrain.stages.config import StageConfig
 
 KEY_FILE = ".posttrain-cache-key"
 
@@ -73,7 +73,7 @@ class StageResult:
     mlflow_run_id: str | None = None
     selected: str | None = None  # an evaluate node's chosen model
     seconds: float | None = None  # wall time of the launch (None: served from the cache)
-    cached_run_id: str | None = None  # a cached node's child run in this pipeline run (flows.runs.record_cached)
+    cached_run_id: str | None = None  # a cached node's child run in this pipeline run (posttrain.flows.runs.record_cached)
 
     @classmethod
     def of(cls, name: str, kind: str, out: Path, cached: bool, seconds: float | None = None) -> StageResult:
@@ -117,7 +117,7 @@ def node_inputs(dag: PipelineDAG, name: str, upstream: dict[str, Upstream], fetc
 
 def _file_identity(path: str) -> str:
     """A user's data file by content (sha256); a directory by its files' names, sizes and mtimes."""
-    from core.manifest import file_sha256
+    from posttrain.core.manifest import file_sha256
 
     p = Path(path)
     if p.is_file():
@@ -133,7 +133,7 @@ def plan_node(dag: PipelineDAG, name: str, upstream: dict[str, Upstream], fetch:
     external, fetched = {}, {}
     for key, ref in node.external.items():
         if fetch:
-            from registry.mlflow_registry import fetch_registered
+            from posttrain.registry.mlflow_registry import fetch_registered
 
             local, version = fetch_registered(dag.cfg.tracking.tracking_uri, ref, dag.cfg.run_dir / ".registry")
             external[key], fetched[key] = str(local), version
@@ -145,7 +145,7 @@ def plan_node(dag: PipelineDAG, name: str, upstream: dict[str, Upstream], fetch:
 
 def _devices(dag: PipelineDAG, name: str):
     """(what node `name` asks of the device pool or None, the GPUs the pool has)."""
-    from flows.resources import needs, visible_gpus
+    from posttrain.flows.resources import needs, visible_gpus
 
     res, launcher = dag.cfg.resources, dag.launcher(name)
     gpus = visible_gpus() if res.gpus is None else res.gpus
@@ -160,9 +160,9 @@ def run_node(dag: PipelineDAG, name: str, upstream: dict[str, StageResult], pare
     `upstream`: the finished nodes it reads (Prefect resolves their futures first)."""
     import os
 
-    from flows.resources import pool_for
-    from flows.workspace import node_lock
-    from stages.launch import launch_stage
+    from posttrain.flows.resources import pool_for
+    from posttrain.flows.workspace import node_lock
+    from posttrain.stages.launch import launch_stage
 
     logger = get_run_logger()
     ups = {k: Upstream(r.output_dir, r.digest, r.selected) for k, r in upstream.items()}
@@ -231,7 +231,7 @@ def check_resources(dag: PipelineDAG) -> None:
     """Every node fits the devices (else ValueError before anything launches)."""
     import os
 
-    from flows.resources import DevicePool
+    from posttrain.flows.resources import DevicePool
 
     res = dag.cfg.resources
     for name in dag.order:
@@ -242,10 +242,10 @@ def check_resources(dag: PipelineDAG) -> None:
 
 @flow(name="post_training", log_prints=True)
 def post_training(config: PipelineConfig) -> PipelineResult:
-    """The user's DAG of nodes (flows.dag), then the registry."""
-    from core.tracking import create_tracker
-    from flows.resources import release_pool
-    from flows.recovery import recover
+    """The user's DAG of nodes (posttrain.flows.dag), then the registry."""
+    from posttrain.core.tracking import create_tracker
+    from posttrain.flows.resources import release_pool
+    from posttrain.flows.recovery import recover
 
     logger = get_run_logger()
     cfg = config
@@ -291,7 +291,7 @@ def post_training(config: PipelineConfig) -> PipelineResult:
             raise RuntimeError("nodes failed:\n" + "\n".join(errors))
         registered = None
         if cfg.registry.enabled and any(dag.kind(n) == "evaluate" for n in dag.order):
-            from registry.mlflow_registry import register_and_promote
+            from posttrain.registry.mlflow_registry import register_and_promote
 
             registered = register_and_promote(cfg.registry, cfg.tracking.tracking_uri, parent_id,
                                               registry_source(dag, results))
@@ -299,7 +299,7 @@ def post_training(config: PipelineConfig) -> PipelineResult:
             logger.info("registry: %s version %s (%s) %s: %s", registered["model_name"], registered["version"],
                         registered["model"], "promoted to champion" if registered["promoted"] else
                         "registered as candidate, not promoted", registered["reason"])
-        from flows.report import log_reports, publish_run_artifact
+        from posttrain.flows.report import log_reports, publish_run_artifact
 
         log_reports(cfg, results, parent)
         publish_run_artifact(cfg, dag.order, results, parent, registered)

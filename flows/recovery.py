@@ -1,12 +1,12 @@
 """What a killed pipeline run leaves behind, cleared by the next run of the pipeline at its start.
 
 A flow process killed outright (kill -9, the OOM killer) cannot clean up after itself. Its job
-dies with it (stages.launch: torchrun and the ranks get SIGTERM from the kernel, and the next
+dies with it (posttrain.stages.launch: torchrun and the ranks get SIGTERM from the kernel, and the next
 launch of a stage waits for any leftovers), and its outputs resume from their checkpoints; what is
 left is bookkeeping, which `recover` (one call at the start of the flow) puts right:
 
 - MLflow: the pipeline's runs still RUNNING whose process is gone (its parent runs and their stage
-  child runs) end as KILLED (core.tracking.recovery.end_stale_runs);
+  child runs) end as KILLED (posttrain.core.tracking.recovery.end_stale_runs);
 - Prefect: the flow runs of those parent runs, still Running, are set Crashed;
 - Prefect's ephemeral API server: `posttrain run` without a Prefect server starts one as a child
   process (Prefect's SubprocessASGIServer), which would outlive a killed flow for good. Each run
@@ -24,8 +24,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from core.tracking.recovery import end_stale_runs
-from stages.launch import proctree
+from posttrain.core.tracking.recovery import end_stale_runs
+from posttrain.stages.launch import proctree
 
 log = logging.getLogger("posttrain.flow")
 

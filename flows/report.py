@@ -16,7 +16,7 @@ def _metric_history(client, run_id: str, key: str) -> tuple[list[int], list[floa
     return [m.step for m in hist], [m.value for m in hist]
 
 
-# One panel per metric family, one series per node (stages.recipe: the run metric names).
+# One panel per metric family, one series per node (posttrain.stages.recipe: the run metric names).
 CURVES = [("training objective", ("train/sft_loss", "train/kd_loss", "train/dpo_loss")),
           ("val/loss", ("val/loss",)), ("val/kl", ("val/kl",)),
           ("val/accuracy (DPO)", ("val/accuracy",)), ("val/margin (DPO)", ("val/margin",))]

@@ -1,7 +1,7 @@
 """The MLflow child runs the pipeline flow itself opens under its parent run.
 
 - A node that launches: its run is opened here when the launch starts (`open_node_run`) and
-  resumed by id by the stage's process (POSTTRAIN_RUN_ID, stages.common.stage_run), so the run's
+  resumed by id by the stage's process (POSTTRAIN_RUN_ID, posttrain.stages.common.stage_run), so the run's
   duration in MLflow is the stage's. A launch that dies before the stage could end its run gets it
   ended here (`end_if_running`).
 - A node served from the cache: a short child run of its own in this pipeline run
@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any
 
-from core.tracking import clean_key, open_run
+from posttrain.core.tracking import clean_key, open_run
 
 log = logging.getLogger("posttrain.flow")
 

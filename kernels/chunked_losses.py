@@ -1,7 +1,7 @@
 """Losses from hidden states and the lm_head in pure torch, one token chunk of logits at a time:
 the torch paths of the fused-linear loss kernels (kernels/fused_linear_ce.py,
 kernels/fused_linear_kl.py), which take them wherever the Triton kernels do not run, and their
-references in the tests. core.losses re-exports them beside its logits-level losses.
+references in the tests. posttrain.core.losses re-exports them beside its logits-level losses.
 
 All math runs in at least fp32 (fp64 inputs stay fp64, so `torch.autograd.gradcheck` works);
 losses come back in that dtype, gradients in the inputs' dtype.
@@ -217,7 +217,7 @@ def _kl(logp: Tensor, logq: Tensor) -> Tensor:
 def divergence(logp_s: Tensor, logp_t: Tensor, kind: str, beta: float) -> Tensor:
     """Per-position divergence over the last dim between student and teacher log-probs:
     forward KL(p_T || p_S), reverse KL(p_S || p_T) or GKD's generalized JSD (see
-    core.losses.distill_loss), jsd at beta 0 / 1 being forward / reverse KL."""
+    posttrain.core.losses.distill_loss), jsd at beta 0 / 1 being forward / reverse KL."""
     if kind == "forward_kl" or (kind == "jsd" and beta == 0):
         return _kl(logp_t, logp_s)
     if kind == "reverse_kl" or (kind == "jsd" and beta == 1):
@@ -242,7 +242,7 @@ def chunked_distill_loss(student_hidden: Tensor, student_weight: Tensor, teacher
                          teacher_weight: Tensor, kind: str = "forward_kl", temperature: float = 1.0,
                          beta: float = 0.5, mask: Tensor | None = None, reduction: str = "mean",
                          scale_by_t2: bool = True, chunk_size: int = 1024) -> Tensor:
-    """`core.losses.distill_loss(student_hidden @ student_weight.T, teacher_hidden @
+    """`posttrain.core.losses.distill_loss(student_hidden @ student_weight.T, teacher_hidden @
     teacher_weight.T, ...)` computed over token chunks, so neither (tokens, V) logits tensor ever
     exists whole.
 

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import _utils
-from kernels.dispatch import interpreting, use_triton
+from posttrain.kernels import _utils
+from posttrain.kernels.dispatch import interpreting, use_triton
 
 LAUNCHES = _utils.counter()
 
@@ -55,7 +55,7 @@ def _blocks(kernel: str) -> tuple[int, int]:
 def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, causal: bool,
              scale: float) -> tuple[Tensor, Tensor]:
     # contiguous: the kernels index outputs (and dq, dk, dv in backward) with the inputs' strides
-    from kernels.jit import flash_attention as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import flash_attention as jit  # device code, imported on first launch
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     n_tokens, n_heads, _ = q.shape
     n_docs = cu_seqlens.numel() - 1
@@ -75,7 +75,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: in
 
 def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
               max_seqlen: int, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    from kernels.jit import flash_attention as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import flash_attention as jit  # device code, imported on first launch
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))  # dq, dk, dv reuse these strides
     n_tokens, n_heads, head_dim = q.shape
     n_docs = cu_seqlens.numel() - 1

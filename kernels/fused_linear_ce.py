@@ -16,7 +16,7 @@ Layers: kernel (kernels/jit/fused_linear_ce.py) -> launcher (`ce_rows_`) -> chun
 (`_forward`, `_backward`) -> `FusedLinearCrossEntropyFunction` (hand-written backward) ->
 `posttrain::fused_linear_ce` custom op (reuses the Function's setup_context/backward) ->
 `fused_linear_cross_entropy` (dispatch). Torch path and reference:
-`kernels.chunked_losses.chunked_cross_entropy` (same signature and semantics).
+`posttrain.kernels.chunked_losses.chunked_cross_entropy` (same signature and semantics).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels import _utils
-from kernels.chunked_losses import check_linear_ce_args, chunked_cross_entropy, shift_labels
-from kernels.dispatch import use_triton
+from posttrain.kernels import _utils
+from posttrain.kernels.chunked_losses import check_linear_ce_args, chunked_cross_entropy, shift_labels
+from posttrain.kernels.dispatch import use_triton
 
 LAUNCHES = _utils.counter()  # kernel name -> launches: tests prove the Triton path ran
 # Largest vocab block one program loads at a time. Module-level so tests can shrink it and make
@@ -44,7 +44,7 @@ def ce_rows_(logits: Tensor, target: Tensor, loss: Tensor, scale: Tensor, ignore
     Targets must lie in [0, V) or equal ignore_index; the kernel does not bounds-check them
     (that would cost a device->host sync per chunk).
     """
-    from kernels.jit import fused_linear_ce as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import fused_linear_ce as jit  # device code, imported on first launch
     rows, n_cols = logits.shape
     assert logits.stride(1) == 1 and scale.numel() in (1, rows)
     block = min(MAX_BLOCK, _utils.next_power_of_2(n_cols))

@@ -23,7 +23,7 @@
 
 The teacher is a constant: its inputs get no gradient (the reference would give one).
 Device code: kernels/jit/fused_linear_kl.py. Torch paths and references:
-`kernels.chunked_losses.chunked_distill_loss` / `chunked_token_logps`.
+`posttrain.kernels.chunked_losses.chunked_distill_loss` / `chunked_token_logps`.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ import math
 import torch
 from torch import Tensor
 
-from kernels import _utils
-from kernels import fused_linear_ce as _ce
-from kernels.chunked_losses import DISTILL_KINDS, check_choice, chunked_distill_loss, chunked_token_logps
-from kernels.dispatch import use_triton
+from posttrain.kernels import _utils
+from posttrain.kernels import fused_linear_ce as _ce
+from posttrain.kernels.chunked_losses import DISTILL_KINDS, check_choice, chunked_distill_loss, chunked_token_logps
+from posttrain.kernels.dispatch import use_triton
 
 LAUNCHES = _utils.counter()
 MAX_BLOCK = 8192  # per-program vocab block; tests shrink it to run the online passes over blocks
@@ -49,7 +49,7 @@ def distill_rows_(student: Tensor, teacher: Tensor, keep: Tensor, loss: Tensor, 
 
     `kind` must already be resolved (jsd at beta 0 / 1 is forward / reverse KL, see `_resolve`).
     """
-    from kernels.jit import fused_linear_kl as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import fused_linear_kl as jit  # device code, imported on first launch
     rows, n_cols = student.shape
     assert teacher.shape == student.shape and student.stride(1) == 1 and teacher.stride(1) == 1
     block = min(MAX_BLOCK, _utils.next_power_of_2(n_cols))
@@ -139,7 +139,7 @@ def fused_linear_distill(student_hidden: Tensor, student_weight: Tensor, teacher
                          teacher_weight: Tensor, mask: Tensor | None = None, kind: str = "forward_kl",
                          temperature: float = 1.0, beta: float = 0.5, chunk_size: int | None = None) -> Tensor:
     """Mean over masked tokens of T^2 * D(teacher || student) on `hidden @ weight.T` logits,
-    chunked: `kernels.chunked_losses.chunked_distill_loss(..., reduction="mean", scale_by_t2=True)`.
+    chunked: `posttrain.kernels.chunked_losses.chunked_distill_loss(..., reduction="mean", scale_by_t2=True)`.
 
     student_hidden (N..., Hs), student_weight (V, Hs), teacher_hidden (N..., Ht), teacher_weight
     (V, Ht), mask (N...) bool or None (all scored). kind: forward_kl | reverse_kl | jsd (beta
@@ -173,7 +173,7 @@ def fused_linear_distill(student_hidden: Tensor, student_weight: Tensor, teacher
 def fused_linear_logps(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
                        shift: bool = True, chunk_size: int | None = None) -> Tensor:
     """log p(y_t | x_<t) per position (N...), fp32, 0 where the target is ignored; the lm_head is
-    applied chunk by chunk. Same as `kernels.chunked_losses.chunked_token_logps` (sum over the last dim for
+    applied chunk by chunk. Same as `posttrain.kernels.chunked_losses.chunked_token_logps` (sum over the last dim for
     DPO's sequence log-probs)."""
     if not (use_triton(hidden, weight, labels) and _utils.supported(hidden, weight)):
         chunk = chunk_size or 1024

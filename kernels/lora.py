@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from kernels import _utils
-from kernels.dispatch import lean_autograd, use_triton
-from kernels.swiglu import swiglu, swiglu_backward_torch
+from posttrain.kernels import _utils
+from posttrain.kernels.dispatch import lean_autograd, use_triton
+from posttrain.kernels.swiglu import swiglu, swiglu_backward_torch
 
 LAUNCHES = _utils.counter()
 # Tile caps; module-level so tests can shrink them and cover several tiles on tiny shapes.
@@ -45,7 +45,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 
 def _mm(x, w, w_strides, p, p_strides, q, q_strides, rank, bias, scale, scales, ids, out, xp):
     """Launch _lora_mm_kernel: out = x @ w + bias + scale * (x @ p) @ q, xp = x @ p."""
-    from kernels.jit import lora as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import lora as jit  # device code, imported on first launch
     (m, k), n = x.shape, out.shape[1]
     bm, bn, bk = _utils.dot_block(m, BLOCK_M), _utils.dot_block(n, BLOCK_N), _utils.dot_block(k, BLOCK_K)
     grid = (_utils.cdiv(m, bm), _utils.cdiv(n, bn))
@@ -62,7 +62,7 @@ def _mm(x, w, w_strides, p, p_strides, q, q_strides, rank, bias, scale, scales, 
 
 def _grad(left, right, ids, scale, scales, out):
     """Launch _lora_grad_kernel: out[a] = scale[a] * left[rows of a]^T @ right[rows of a]."""
-    from kernels.jit import lora as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import lora as jit  # device code, imported on first launch
     m, p, q = left.shape[0], out.shape[1], out.shape[2]
     bp, bq, bm = _utils.dot_block(p, BLOCK_N), _utils.dot_block(q, BLOCK_N), _utils.dot_block(m, BLOCK_M)
     jit.lora_grad_kernel[(_utils.cdiv(p, bp), _utils.cdiv(q, bq), out.shape[0])](
@@ -193,7 +193,7 @@ torch.library.register_autograd("posttrain::lora_linear_multi", LoRALinearMultiF
 
 
 def lora_linear_reference(x, weight, bias, lora_a, lora_b, scale, dropout: float = 0.0):
-    """What core.lora.LoRALinear computes for one adapter (dropout: training-time, on the
+    """What posttrain.core.lora.LoRALinear computes for one adapter (dropout: training-time, on the
     low-rank path's input, as peft applies lora_dropout)."""
     xd = F.dropout(x, dropout) if dropout > 0 else x
     return F.linear(x, weight, bias) + scale * F.linear(F.linear(xd, lora_a), lora_b)

@@ -12,7 +12,7 @@ absmax scales themselves in 8 bits: subtract their mean (an fp32 offset, as bits
 and quantize blocks of 256 with their own fp32 absmax. Storage: 4 + 32/64 = 4.5 bits per weight,
 or 4 + 8/64 + 32/(64*256) ~ 4.127 with double quantization. bitsandbytes quantizes the scales
 with an 8-bit dynamic-tree code; a linear symmetric int8 code is used here (same size; the
-scales are few and well conditioned). core.quant holds it as module buffers (NF4Weight).
+scales are few and well conditioned). posttrain.core.quant holds it as module buffers (NF4Weight).
 
     w[i] = NF4_CODE[code(i)] * absmax[i // block_size],  in fp32, then cast to the compute dtype
 
@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import _utils
-from kernels.dispatch import use_triton
+from posttrain.kernels import _utils
+from posttrain.kernels.dispatch import use_triton
 
 # The published NF4 table (QLoRA appendix E, bitsandbytes `NF4` map), in code order 0..15.
 NF4_CODE = torch.tensor([
@@ -150,7 +150,7 @@ def _code_table(device: torch.device) -> Tensor:
 def nf4_dequantize(packed: Tensor, absmax: Tensor, rows: int, cols: int, block_size: int,
                    dtype: torch.dtype) -> Tensor:
     """packed codes + fp32 per-block absmax -> the dense (rows, cols) weight in `dtype`."""
-    from kernels.jit import nf4 as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import nf4 as jit  # device code, imported on first launch
     out = packed.new_empty((rows, cols), dtype=dtype)
     numel = rows * cols
     block = min(DEQUANT_BLOCK, _utils.next_power_of_2(numel))
@@ -163,7 +163,7 @@ def nf4_dequantize(packed: Tensor, absmax: Tensor, rows: int, cols: int, block_s
 def nf4_matmul(x: Tensor, packed: Tensor, absmax: Tensor, bias: Tensor | None, n_out: int, n_in: int,
                block_size: int, transpose: bool) -> Tensor:
     """x @ W^T + bias (transpose=True, x (N, in)) or x @ W (transpose=False, x (N, out))."""
-    from kernels.jit import nf4 as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import nf4 as jit  # device code, imported on first launch
     m, k = x.shape
     n = n_out if transpose else n_in
     out = x.new_empty(m, n)
@@ -238,7 +238,7 @@ torch.library.register_autograd("posttrain::nf4_linear", NF4LinearFunction.backw
 
 
 # An NF4 weight as the ops take it: an NF4Tensor, or a holder exposing one as `.tensor` (the
-# module core.quant.NF4Weight keeps its buffers in).
+# module posttrain.core.quant.NF4Weight keeps its buffers in).
 NF4Like = Union[NF4Tensor, Any]
 
 

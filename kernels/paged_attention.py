@@ -2,7 +2,7 @@
 from the block pool through the sequence's block table (no gathered copy, no padding, no mask
 tensor).
 
-Layout (core.generation.paged.PagedKVCache, one layer): k_pool, v_pool (num_blocks * block_size,
+Layout (posttrain.core.generation.paged.PagedKVCache, one layer): k_pool, v_pool (num_blocks * block_size,
 H_kv, D); block b owns rows b * block_size .. (b + 1) * block_size - 1; token t of sequence s is
 row block_tables[s, t // block_size] * block_size + t % block_size. The query of sequence s is
 its newest token, at position ctx_lens[s] - 1, so it sees keys j <= ctx_lens[s] - 1 (all of
@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import _utils
-from kernels.dispatch import use_triton
+from posttrain.kernels import _utils
+from posttrain.kernels.dispatch import use_triton
 
 LAUNCHES = _utils.counter()
 
@@ -88,7 +88,7 @@ def paged_decode_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
 
 def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, ctx_lens: Tensor,
             block_size: int, scale: float, window: int | None) -> Tensor:
-    from kernels.jit import paged_attention as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import paged_attention as jit  # device code, imported on first launch
     S, H, D = q.shape
     kv_heads = k_pool.shape[1]
     q, k_pool, v_pool = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_pool, v_pool))

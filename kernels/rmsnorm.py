@@ -3,7 +3,7 @@
     h = x (+ residual)                 the new residual stream, in the input dtype
     y = weight * (h * rsqrt(mean(h^2) + eps)).to(h.dtype)
 
-The numerics follow core.model.layers.RMSNorm (HF's convention): normalize in fp32, cast to the
+The numerics follow posttrain.core.model.layers.RMSNorm (HF's convention): normalize in fp32, cast to the
 input dtype, then scale by the weight. The fused add rounds h to its dtype *before* normalizing,
 so `rms_norm(x, w, eps, r)` equals `RMSNorm(x + r)` of the unfused model, not a more accurate
 variant that would drift from it.
@@ -25,15 +25,15 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from kernels import _utils
-from kernels.dispatch import lean_autograd, use_triton
+from posttrain.kernels import _utils
+from posttrain.kernels.dispatch import lean_autograd, use_triton
 
 LAUNCHES = _utils.counter()
 
 
 def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
     """x, residual (N, D) with unit stride on D -> y (N, D), h (N, D) or None, rstd (N,) fp32."""
-    from kernels.jit import rmsnorm as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import rmsnorm as jit  # device code, imported on first launch
     n_rows, n_cols = x.shape
     h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y = x.new_empty(x.shape, dtype=torch.promote_types(h_dtype, weight.dtype))
@@ -52,7 +52,7 @@ def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
 def rms_norm_bwd(dy: Tensor, dh_next: Tensor | None, h: Tensor, weight: Tensor, rstd: Tensor):
     """Gradients (dx, dweight) given dy, the gradient of the residual output (or None), the
     normalized input h and rstd saved by forward."""
-    from kernels.jit import rmsnorm as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import rmsnorm as jit  # device code, imported on first launch
     n_rows, n_cols = h.shape
     dy = _utils.as_rows(dy)
     dx = torch.empty_like(h)
@@ -149,7 +149,7 @@ torch.library.register_autograd("posttrain::add_rms_norm", AddRMSNormFunction.ba
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
-    """Pure torch, the numerics of core.model.layers.RMSNorm (and of x + residual before it)."""
+    """Pure torch, the numerics of posttrain.core.model.layers.RMSNorm (and of x + residual before it)."""
     h = x if residual is None else x + residual
     hf = h.to(torch.promote_types(h.dtype, torch.float32))  # fp32 math, or fp64 for fp64 inputs
     y = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)

@@ -19,7 +19,7 @@ the same kernel rotates out of place: `posttrain::rope(x, cos, sin, inverse)`, f
 register_autograd (its backward is itself with `not inverse`). register_autograd refuses ops
 that mutate their inputs, so the in-place path's autograd is `RoPEFunction` around the mutating
 `posttrain::rope_` op; its backward is `posttrain::rope(dy, inverse=True)`.
-Device code: kernels/jit/rope.py. Reference: `rotate_reference` (core.model.rope.apply_rope).
+Device code: kernels/jit/rope.py. Reference: `rotate_reference` (posttrain.core.model.rope.apply_rope).
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import _utils
-from kernels.dispatch import use_triton
+from posttrain.kernels import _utils
+from posttrain.kernels.dispatch import use_triton
 
 LAUNCHES = _utils.counter()
 
 
 def rope_(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, backward: bool) -> None:
     """Rotate x (B, H, T, hd) into out (x itself for in place; else strided like x)."""
-    from kernels.jit import rope as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import rope as jit  # device code, imported on first launch
     bsz, n_heads, seq_len, head_dim = x.shape
     cos, sin = cos.expand(bsz, seq_len, head_dim), sin.expand(bsz, seq_len, head_dim)
     block_h, block_d = _utils.next_power_of_2(n_heads), _utils.next_power_of_2(head_dim // 2)
@@ -131,7 +131,7 @@ def _writable(t: Tensor) -> bool:
 
 def rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x (B, n_heads, T, head_dim) by cos/sin (B or 1, T, head_dim), out of place, in the
-    half-split convention HF checkpoints use (core.model.rope.apply_rope is this function)."""
+    half-split convention HF checkpoints use (posttrain.core.model.rope.apply_rope is this function)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -9,7 +9,7 @@ Math in fp32, stores in the input dtype. gate/up may be strided row views (e.g. 
 of a fused gate_up projection): rows are addressed by stride, columns must be unit-stride.
 
 Layers: kernels (kernels/jit/swiglu.py) -> launchers -> SwiGLUFunction -> `posttrain::swiglu`
-custom op -> `swiglu` (dispatch). Reference: `swiglu_reference` (what core.model.layers.MLP
+custom op -> `swiglu` (dispatch). Reference: `swiglu_reference` (what posttrain.core.model.layers.MLP
 computes).
 """
 
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from kernels import _utils
-from kernels.dispatch import lean_autograd, use_triton
+from posttrain.kernels import _utils
+from posttrain.kernels.dispatch import lean_autograd, use_triton
 
 LAUNCHES = _utils.counter()
 MAX_BLOCK = 1024  # columns per program; module-level so tests can shrink it to cover the tiling
@@ -34,7 +34,7 @@ def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int]:
 
 def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
     """gate, up (N, D) with unit column stride -> silu(gate) * up (N, D)."""
-    from kernels.jit import swiglu as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import swiglu as jit  # device code, imported on first launch
     y = gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
     grid, block = _grid(*gate.shape)
     jit.swiglu_fwd_kernel[grid](gate, up, y, gate.stride(0), up.stride(0), y.stride(0), gate.shape[1],
@@ -44,7 +44,7 @@ def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
 
 
 def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
-    from kernels.jit import swiglu as jit  # device code, imported on first launch
+    from posttrain.kernels.jit import swiglu as jit  # device code, imported on first launch
     dy = _utils.as_rows(dy)
     dgate, dup = gate.new_empty(gate.shape), up.new_empty(up.shape)
     grid, block = _grid(*gate.shape)

@@ -14,9 +14,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from core.atomic import replace_dir
-from core.lora import adapter_config, adapter_state_dict, apply_lora, load_adapter_state_dict
-from registry.hf import ADAPTERS, CheckpointError
+from posttrain.core.atomic import replace_dir
+from posttrain.core.lora import adapter_config, adapter_state_dict, apply_lora, load_adapter_state_dict
+from posttrain.registry.hf import ADAPTERS, CheckpointError
 
 _PREFIX = "base_model.model."
 # our suffix -> PEFT's suffix (the adapter name is not stored in PEFT's files)
@@ -34,7 +34,7 @@ def _hf_module(family: str, module: str) -> str:
     return hf_key.removesuffix(".weight")
 
 
-# LoRA on MoE experts (core.lora.experts) as peft's `target_parameters` on transformers' stacked
+# LoRA on MoE experts (posttrain.core.lora.experts) as peft's `target_parameters` on transformers' stacked
 # experts (`model.layers.<i>.mlp.experts.gate_up_proj` (E, 2I, H) and `.down_proj` (E, H, I)):
 # peft wraps the experts module once per parameter, the first listed innermost (`base_layer`);
 # its lora_A is (E * r, in), expert-major, and its lora_B (out, r * E), expert-minor.
@@ -111,7 +111,7 @@ def read_adapter(model, path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     """The PEFT LoRA adapter at `path`, read for `model` without changing it: (adapter_config.json,
     the tensors under this project's module names, the targeted linear modules, the expert
     modules). load_adapter_state_dict puts the tensors into an adapter the model already has (e.g.
-    a QLoRA policy from stages.common.load_quantized)."""
+    a QLoRA policy from posttrain.stages.common.load_quantized)."""
     path = Path(path)
     cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
     for f in (cfg_file, weights):

@@ -9,7 +9,7 @@ special tokens up to the model's vocabulary size, so that every id a model can e
 
 from __future__ import annotations
 
-from registry.tokenizer import Tokenizer
+from posttrain.registry.tokenizer import Tokenizer
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "

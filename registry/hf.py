@@ -20,10 +20,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from core.atomic import replace_dir
-from core.model.args import ModelArgs, MoEArgs
-from core.model.model import Transformer
-from core.model.rope import SUPPORTED_ROPE_TYPES
+from posttrain.core.atomic import replace_dir
+from posttrain.core.model.args import ModelArgs, MoEArgs
+from posttrain.core.model.model import Transformer
+from posttrain.core.model.rope import SUPPORTED_ROPE_TYPES
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 ARCHITECTURES = {

@@ -1,6 +1,6 @@
 """Loading an HF checkpoint into a parallelized model, each rank reading only its own slices.
 
-The model was built on the meta device, parallelized and materialized (core.parallel.materialize);
+The model was built on the meta device, parallelized and materialized (posttrain.core.parallel.materialize);
 each of its tensors holds one block of the whole (`local_part`). For each one this reads exactly
 that block from the memory-mapped safetensors file (`safe_open(...).get_slice(name)[block]`),
 under the HF name the family's StateDictAdapter gives (registry/hf.py); stacked expert tensors
@@ -21,9 +21,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from core.lora.model import lora_parameters
-from core.parallel.materialize import local_part
-from registry.hf import ADAPTERS, CheckpointError, _safetensors_files
+from posttrain.core.lora.model import lora_parameters
+from posttrain.core.parallel.materialize import local_part
+from posttrain.registry.hf import ADAPTERS, CheckpointError, _safetensors_files
 
 
 @contextmanager
@@ -44,7 +44,7 @@ def read_whole(path: str | Path, files: dict, family: str, key: str, like: torch
                device: torch.device | str = "cpu") -> torch.Tensor:
     """Our whole tensor `key` of a `family` model (shaped like `like`, e.g. a meta parameter)
     from the open checkpoint `files` (open_checkpoint), cast to `dtype` on `device`: one weight
-    at a time (QLoRA quantizes each as it is read: stages.common.load_quantized)."""
+    at a time (QLoRA quantizes each as it is read: posttrain.stages.common.load_quantized)."""
     names, stacked = _sources(Path(path), key, like, ADAPTERS[family], files)
     t = torch.stack([files[n].get_tensor(n) for n in names]) if stacked else files[names[0]].get_tensor(names[0])
     return t.to(device=device, dtype=dtype)
@@ -53,7 +53,7 @@ def read_whole(path: str | Path, files: dict, family: str, key: str, like: torch
 def load_sharded(path: str | Path, model: nn.Module, dtype: torch.dtype,
                  loaded: frozenset[str] = frozenset()) -> dict[str, int]:
     """Fill this rank's part of every checkpoint weight of `model` (a materialized
-    core.model.Transformer, any layout) from the HF checkpoint directory `path`, cast to
+    posttrain.core.model.Transformer, any layout) from the HF checkpoint directory `path`, cast to
     `dtype`. Returns the bytes read per HF tensor name (in the file's dtype): the loader's own
     accounting, for logs and tests. LoRA adapters and the MoE expert bias are not in a checkpoint;
     `loaded`: our names of weights already filled (an NF4 base quantized as it was read)."""

@@ -2,7 +2,7 @@
 is the HF-format model directory (config.json, safetensors, tokenizer files), so that
 `mlflow.pyfunc.load_model("models:/name/3").predict(pd.DataFrame({"prompt": [...]}))` returns
 completions, and `mlflow models serve` serves it. It loads with the project's own loader
-(registry.hf, registry.tokenizer) and decodes with core.model.generate; the project's code
+(posttrain.registry.hf, posttrain.registry.tokenizer) and decodes with posttrain.core.model.generate; the project's code
 (core, kernels, registry) travels in the model's `code/`, so the model loads without the repo.
 
 Signature: input a string column `prompt`; output string columns `completion`, `finish_reason`;
@@ -10,7 +10,7 @@ params `max_new_tokens` (int), `temperature` (float, 0 = greedy) and `chat_templ
 each prompt as a user message through the tokenizer's chat template, as `posttrain generate`
 does; false, or a tokenizer without a template: the prompt as plain text, as evaluate does).
 
-A PEFT adapter directory (registry.adapters) is registered merged into its base (the model the
+A PEFT adapter directory (posttrain.registry.adapters) is registered merged into its base (the model the
 adapter names as `base_model_name_or_path`), the adapter's own files kept as artifact `adapter`.
 """
 
@@ -36,7 +36,7 @@ CODE_PACKAGES = ("core", "kernels", "registry")
 REQUIREMENTS = ("mlflow", "torch", "tokenizers", "safetensors", "jinja2", "pydantic", "pyyaml", "numpy", "pandas")
 BATCH = 16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "generation_config.json")  # registry.hf.copy_tokenizer_files's
+                   "chat_template.json", "generation_config.json")  # posttrain.registry.hf.copy_tokenizer_files's
 
 
 def signature():
@@ -74,7 +74,7 @@ def encode(tok, prompt: str, chat_template: bool) -> list[int]:
 def complete(model, tok, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0,
              chat_template: bool = True) -> tuple[list[str], list[str]]:
     """(completions, finish reasons) of `prompts`, BATCH at a time (greedy at temperature 0)."""
-    from core.model.generate import SamplingParams, generate
+    from posttrain.core.model.generate import SamplingParams, generate
 
     params = SamplingParams(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                             stop_token_ids=tuple(sorted(tok.eos_ids)))
@@ -92,8 +92,8 @@ def load_lm(hf_dir: str | Path, device: str | None = None):
     bf16 on CUDA (POSTTRAIN_SERVE_DEVICE / POSTTRAIN_SERVE_DTYPE override)."""
     import torch
 
-    from registry.hf import load_pretrained
-    from registry.tokenizer import Tokenizer
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.registry.tokenizer import Tokenizer
 
     device = device or os.environ.get("POSTTRAIN_SERVE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = os.environ.get("POSTTRAIN_SERVE_DTYPE") or ("bfloat16" if str(device).startswith("cuda") else "float32")
@@ -132,10 +132,10 @@ def merge_adapter(adapter_dir: Path, out: Path, base: str | Path | None = None) 
     stage's `tokenizer/`, else the base's), saved as an HF directory at `out`."""
     import json
 
-    from core.lora import merged_state_dict
-    from registry.adapters import load_adapter
-    from registry.hf import CheckpointError, load_pretrained, save_pretrained
-    from registry.tokenizer import Tokenizer
+    from posttrain.core.lora import merged_state_dict
+    from posttrain.registry.adapters import load_adapter
+    from posttrain.registry.hf import CheckpointError, load_pretrained, save_pretrained
+    from posttrain.registry.tokenizer import Tokenizer
 
     base = Path(base or json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
                 or "")
@@ -153,13 +153,14 @@ def merge_adapter(adapter_dir: Path, out: Path, base: str | Path | None = None) 
 
 
 def _code_copy(dst: Path) -> list[str]:
-    """The project's packages the model imports (sources only), copied under `dst`."""
+    """The project's packages the model imports (sources only), copied under `dst`/posttrain: the
+    model's code/ folder then holds the `posttrain` namespace with those packages in it. (A model
+    registered before the rename to posttrain.* carries its own code under the old names and
+    loads from it.)"""
     root = Path(__file__).resolve().parents[1]
-    paths = []
     for pkg in CODE_PACKAGES:
-        shutil.copytree(root / pkg, dst / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        paths.append(str(dst / pkg))
-    return paths
+        shutil.copytree(root / pkg, dst / "posttrain" / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return [str(dst / "posttrain")]
 
 
 def _link(src: str, dst: str) -> None:

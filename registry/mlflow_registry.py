@@ -1,10 +1,10 @@
 """The MLflow model registry: register the pipeline's final model as an MLflow model (a pyfunc
-LoggedModel of the parent run, registry.mlflow_model: the HF files, signature, input example,
+LoggedModel of the parent run, posttrain.registry.mlflow_model: the HF files, signature, input example,
 tokenizer) with its lineage as links (each node's run id and digest, the datasets as the run's
 inputs), under alias `candidate`, and move `champion` to it only when its evaluation beats the
 current champion's on the configured metric. The decision and its numbers are returned/logged.
 
-register_and_promote's `source` (flows.pipeline.registry_source):
+register_and_promote's `source` (posttrain.flows.pipeline.registry_source):
     model_dir, model_name, evaluate, metrics   the evaluated model: its directory (HF, a stage
                                                output, or a PEFT adapter), name, evaluate node and
                                                that node's metrics of it
@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import Field
 
-from core.config import ConfigModel
+from posttrain.core.config import ConfigModel
 
 log = logging.getLogger("posttrain.registry")
 
@@ -87,7 +87,7 @@ def lineage_tags(source: dict[str, Any], parent_run_id: str) -> dict[str, str]:
     """Tags linking a registered model to what made it: each pipeline node's content digest
     (`lineage.<node>` and `lineage.<node>.digest`) and MLflow run id (`lineage.<node>.run_id`),
     the parent run, the evaluate node and the evaluated model's name, and each dataset."""
-    from core.tracking.params import clean_key
+    from posttrain.core.tracking.params import clean_key
 
     tags = {}
     for node, digest in (source.get("lineage") or {}).items():
@@ -132,7 +132,7 @@ def dataset_inputs(datasets: list[dict[str, Any]]):
 
 def register_model(client, name: str, run_id: str, model_dir: Path, metric: str, value: float,
                    source: dict[str, Any]):
-    """Log `model_dir` as a pyfunc MLflow model (registry.mlflow_model: signature, input example,
+    """Log `model_dir` as a pyfunc MLflow model (posttrain.registry.mlflow_model: signature, input example,
     tokenizer, the project's code) of run `run_id`, with the lineage of `source` as its tags and
     params, the pipeline's datasets as the run's inputs, the evaluation's metrics on the model
     (against the eval dataset, if one is named), and create a model version of it."""
@@ -141,8 +141,8 @@ def register_model(client, name: str, run_id: str, model_dir: Path, metric: str,
     from mlflow.entities import Metric
     from mlflow.exceptions import MlflowException
 
-    from core.tracking.params import clean_key
-    from registry.mlflow_model import log_pyfunc_model
+    from posttrain.core.tracking.params import clean_key
+    from posttrain.registry.mlflow_model import log_pyfunc_model
 
     tags = {f"eval.{metric}": str(value), **lineage_tags(source, run_id)}
     params = {"evaluate": str(source["evaluate"]), "model": str(source["model_name"]),
@@ -186,7 +186,7 @@ def register_model(client, name: str, run_id: str, model_dir: Path, metric: str,
 def register_and_promote(reg: RegistryConfig, tracking_uri: str,
                          parent_run_id: str | None, source: dict[str, Any]) -> dict[str, Any]:
     """Register the model an evaluate node chose (`source`: its model_dir, model_name, metrics and
-    the pipeline's lineage, from flows.pipeline.registry_source) and gate `champion` on its metric."""
+    the pipeline's lineage, from posttrain.flows.pipeline.registry_source) and gate `champion` on its metric."""
     if parent_run_id is None:
         raise RuntimeError("registry: no MLflow parent run to attach the model to")
     model_dir = _model_dir(Path(source["model_dir"]))
@@ -247,7 +247,7 @@ def fetch_registered(tracking_uri: str, ref: str, cache_root: Path) -> tuple[Pat
         # global tracking URI, which need not be this one
         uri = client.get_model_version_download_uri(name, mv.version)
         local = Path(download_artifacts(artifact_uri=uri, dst_path=str(dest), tracking_uri=tracking_uri))
-        from registry.mlflow_model import hf_dir_of
+        from posttrain.registry.mlflow_model import hf_dir_of
 
         (dest / ".path").write_text(str(hf_dir_of(local)))
         (dest / ".complete").write_text("")

@@ -11,7 +11,7 @@
       quantization.json                                  the scheme: weights, group_size,
                                                          activations, the layers
 
-The float image and the codes agree exactly (`load_codes` + core.qat.dequantize_state give the
+The float image and the codes agree exactly (`load_codes` + posttrain.core.qat.dequantize_state give the
 image's weights bit for bit). Activation quantization (qat.activations: int8) is recorded in
 quantization.json for the runtime; the float image computes with float inputs.
 """
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.qat import QATConfig, dequantize_weight, quantize_weight, quantized_layers
-from registry.hf import ADAPTERS, save_pretrained
+from posttrain.core.qat import QATConfig, dequantize_weight, quantize_weight, quantized_layers
+from posttrain.registry.hf import ADAPTERS, save_pretrained
 
 CODES = "quantized.safetensors"
 SCHEME = "quantization.json"

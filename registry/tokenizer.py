@@ -27,7 +27,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 from tokenizers import processors
 
-from core.atomic import write_text_atomic
+from posttrain.core.atomic import write_text_atomic
 
 Message = dict[str, Any]
 

@@ -49,11 +49,11 @@ def _worker(rank: int, world_size: int, port: int, out: str, steps: int, seq_len
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from core.parallel.config import ParallelConfig
-    from core.losses import cross_entropy
-    from core.model import build_model, get_preset
-    from core.parallel import parallelize
-    from core.parallel.mesh import init_distributed
+    from posttrain.core.parallel.config import ParallelConfig
+    from posttrain.core.losses import cross_entropy
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.core.parallel import parallelize
+    from posttrain.core.parallel.mesh import init_distributed
 
     torch.set_num_threads(1)
     cfg = ParallelConfig(dp_shard=2, device="cpu")

@@ -4,7 +4,7 @@
     python scripts/scaling_tables.py --json              # the same numbers as JSON
     python scripts/scaling_tables.py --model llama-3.1-8b --gpus 64 128 --seq 32768
 
-Every number is arithmetic on core.model.get_preset(...) shapes; the formulas are in the
+Every number is arithmetic on posttrain.core.model.get_preset(...) shapes; the formulas are in the
 docstrings below and, with worked examples, in docs/scaling.md. Assumptions (all arguments):
 bf16 compute with fp32 master weights, fp32 gradients and AdamW states (FSDP2 mixed precision,
 reduce in fp32); micro-batch of 1 sequence per data-parallel rank; 8 GPUs per node (NVLink inside,
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.model.args import ModelArgs, get_preset  # noqa: E402
+from posttrain.core.model.args import ModelArgs, get_preset  # noqa: E402
 
 GB = 1e9
 GPUS = {"H100": dict(mem_gb=80.0), "H200": dict(mem_gb=141.0)}

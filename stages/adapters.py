@@ -1,12 +1,12 @@
 """Several LoRA adapters trained in one job on one frozen base (`lora.adapter_names: [a, b, ...]`).
 
 Each example trains one adapter: the one its row names (`lora.adapter_column`) or its source is
-mapped to (`lora.adapter_sources`), read with the data (core.data.routing) and carried by each
-document into the batch as per-token `adapter_ids` (core.data.packing), so packed rows route
+mapped to (`lora.adapter_sources`), read with the data (posttrain.core.data.routing) and carried by each
+document into the batch as per-token `adapter_ids` (posttrain.core.data.packing), so packed rows route
 every document's tokens through its own adapter. The skeleton (stages/recipe.py) adds every
 adapter, builds the Trainer with one parameter group per adapter (`lora.adapter_lr`), each
 normalized by its own tokens, clipped alone, and skipped in a step none of its examples reached
-(core.trainer), and exports each adapter on its own:
+(posttrain.core.trainer), and exports each adapter on its own:
 
     adapters/<name>/     PEFT adapter (adapter_config.json, adapter_model.safetensors)   manifest "adapter/<name>"
     model-<name>/        the base with that adapter merged, HF format (save: full, or     manifest "model/<name>"
@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from core.data.routing import AdapterRouting
-from core.losses import IGNORE_INDEX
-from core.lora import route_adapters
-from core.objectives import cp_view
-from core.parallel.context import CP_KEY
-from core.trainer import LossOutput, Objective
+from posttrain.core.data.routing import AdapterRouting
+from posttrain.core.losses import IGNORE_INDEX
+from posttrain.core.lora import route_adapters
+from posttrain.core.objectives import cp_view
+from posttrain.core.parallel.context import CP_KEY
+from posttrain.core.trainer import LossOutput, Objective
 
 ADAPTERS_DIR = "adapters"
 
@@ -54,7 +54,7 @@ def routed(objective: Objective, names: list[str]) -> Objective:
     def wrapped(model: torch.nn.Module, batch: dict[str, Any]) -> LossOutput:
         if "adapter_ids" not in batch:
             raise ValueError(f"training adapters {names}: the batch carries no adapter_ids (its documents were "
-                             "read without routing: core.data.routing)")
+                             "read without routing: posttrain.core.data.routing)")
         pipe = getattr(model, "pipeline", None)
         if pipe is not None:  # the pipelined objective lays the ids out as its rows, each stage routes its own
             route = pipe.routing(names)
@@ -62,7 +62,7 @@ def routed(objective: Objective, names: list[str]) -> Objective:
             batch = cp_view(model, batch)  # under context parallelism: this rank's share, adapter ids cut alike
             ids = batch["adapter_ids"]
             lm_head = getattr(model, "lm_head", None)
-            if getattr(lm_head, "input_mode", None) == "sequence":  # core.objectives pads the tokens for tp
+            if getattr(lm_head, "input_mode", None) == "sequence":  # posttrain.core.objectives pads the tokens for tp
                 ids = F.pad(ids, (0, -ids.shape[-1] % dist.get_world_size(lm_head.tp_group)), value=-1)
             route = route_adapters(model, ids, names)
         with route:
@@ -104,9 +104,9 @@ def per_adapter_loss(docs: list, names: list[str], loss_of: Callable[[list], flo
 def export_adapters(model, tok, cfg, out: Path) -> dict[str, str]:
     """Each adapter as its own PEFT directory, and (save: full, or export_merged) merged into its
     own copy of the base; returns the manifest outputs. Rank 0, on a plain (gathered) model."""
-    from core.lora import merged_state_dict
-    from registry.adapters import save_adapter
-    from registry.hf import save_pretrained
+    from posttrain.core.lora import merged_state_dict
+    from posttrain.registry.adapters import save_adapter
+    from posttrain.registry.hf import save_pretrained
 
     outputs: dict[str, str] = {}
     for name in cfg.lora.adapter_names:

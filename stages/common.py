@@ -18,14 +18,14 @@ from typing import Any, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from core.config import from_json_file
-from core.lora.config import LoRAConfig
-from core.model.config import ModelConfig
-from core.parallel.config import ParallelConfig
-from stages.config import StageConfig
-from core.manifest import is_stage_dir, read_manifest
-from core.model import Transformer, build_model, get_preset
-from core.tracking import NullTracker, Tracker
+from posttrain.core.config import from_json_file
+from posttrain.core.lora.config import LoRAConfig
+from posttrain.core.model.config import ModelConfig
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.stages.config import StageConfig
+from posttrain.core.manifest import is_stage_dir, read_manifest
+from posttrain.core.model import Transformer, build_model, get_preset
+from posttrain.core.tracking import NullTracker, Tracker
 
 C = TypeVar("C", bound=StageConfig)
 log = logging.getLogger("posttrain")
@@ -38,13 +38,13 @@ class StageError(RuntimeError):
 
 def parse_spec(cls: type[C], argv: list[str] | None = None) -> C:
     """The stage's spec from `--config`; first, under the torchrun wrapper, the rank is bound to
-    die with its torchrun (stages.launch.signals.die_with_agent), and exits if it is gone."""
-    from stages.launch.signals import die_with_agent
+    die with its torchrun (posttrain.stages.launch.signals.die_with_agent), and exits if it is gone."""
+    from posttrain.stages.launch.signals import die_with_agent
 
     if not die_with_agent():
         sys.exit(128 + 15)  # torchrun died while this rank started: nobody waits for it
     parser = argparse.ArgumentParser(description=f"posttrain stage ({cls.__name__})")
-    parser.add_argument("--config", required=True, help="stage spec JSON (core.config.to_json_file)")
+    parser.add_argument("--config", required=True, help="stage spec JSON (posttrain.core.config.to_json_file)")
     return from_json_file(cls, parser.parse_args(argv).config)
 
 
@@ -57,8 +57,8 @@ class Dist:
     world: int
     local_rank: int
     device: torch.device
-    mesh: Any = None  # core.parallel.ParallelMesh
-    pipeline: Any = None  # core.parallel.pipeline.Pipeline: the policy's schedule, under pipeline parallelism
+    mesh: Any = None  # posttrain.core.parallel.ParallelMesh
+    pipeline: Any = None  # posttrain.core.parallel.pipeline.Pipeline: the policy's schedule, under pipeline parallelism
     lockstep: Any = None  # evaluation of sharded models: the group whose ranks run every forward together
 
     @property
@@ -85,10 +85,10 @@ class Dist:
 
 
 def start_distributed(parallel: ParallelConfig | None = None, timeout_s: float | None = None) -> Dist:
-    """Join torchrun's process group with `parallel`'s backend and device (core.parallel.mesh,
+    """Join torchrun's process group with `parallel`'s backend and device (posttrain.core.parallel.mesh,
     the one place a group is made); a plain single process needs none. `timeout_s`: the
     collective timeout (ReliabilityConfig)."""
-    from core.parallel.mesh import init_process_group
+    from posttrain.core.parallel.mesh import init_process_group
 
     try:
         env, device = init_process_group(parallel or ParallelConfig(), timeout_s)
@@ -134,7 +134,7 @@ def load_model(cfg: ModelConfig, device: torch.device, seed: int = 0,
     """The model a stage starts from (on `device`, in cfg.dtype), and its upstream manifest.
     meta=True: the same model on the meta device, without values; parallelize it (LoRA first, if
     any), then `materialize_model` gives each rank its shards of the same values."""
-    from registry.hf import load_pretrained, model_on_meta
+    from posttrain.registry.hf import load_pretrained, model_on_meta
 
     model_dir, manifest = resolve_model_dir(cfg.name_or_path)
     dtype = DTYPES[cfg.dtype]
@@ -175,9 +175,9 @@ def load_quantized(model_cfg: ModelConfig, lora: LoRAConfig, device: torch.devic
     weight read (memory-mapped) just before it is quantized to NF4 and dropped, then the rest
     (embedding, norms, head, biases, routers) allocated and read. The peak is the NF4 base plus
     the dense rest plus one dense weight, not the dense model (docs/scaling.md)."""
-    from core.lora import apply_lora
-    from registry.hf import model_on_meta
-    from registry.hf_sharded import load_sharded, open_checkpoint, read_whole
+    from posttrain.core.lora import apply_lora
+    from posttrain.registry.hf import model_on_meta
+    from posttrain.registry.hf_sharded import load_sharded, open_checkpoint, read_whole
 
     model_dir, manifest = resolve_model_dir(model_cfg.name_or_path)
     dtype = DTYPES[model_cfg.dtype]
@@ -216,12 +216,12 @@ def _allocate_meta(model: Transformer, device: torch.device) -> None:
 
 def materialize_model(model: Transformer, cfg: ModelConfig, device: torch.device, seed: int = 0) -> int:
     """Give a model from load_model(meta=True), parallelized or not, this rank's shards on
-    `device`: read from the checkpoint's slices this rank owns (registry.hf_sharded), or a
+    `device`: read from the checkpoint's slices this rank owns (posttrain.registry.hf_sharded), or a
     preset's random init, then LoRA adapters' init (as apply_lora on the loaded model would draw
     them). The values are those load_model(meta=False) (+ apply_lora) gives, in every layout.
     Returns the checkpoint bytes this rank read (0 for a preset)."""
-    from core.parallel.materialize import init_adapters, init_weights, materialize
-    from registry.hf_sharded import load_sharded
+    from posttrain.core.parallel.materialize import init_adapters, init_weights, materialize
+    from posttrain.registry.hf_sharded import load_sharded
 
     model_dir, _ = resolve_model_dir(cfg.name_or_path)
     materialize(model, device)
@@ -252,7 +252,7 @@ def find_tokenizer_dir(*candidates: str | Path | None) -> Path:
 
 
 def load_tokenizer(*candidates: str | Path | None):
-    from registry.tokenizer import Tokenizer
+    from posttrain.registry.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(find_tokenizer_dir(*candidates))
 
@@ -300,7 +300,7 @@ def stage_run(cfg: StageConfig, stage: str, is_main: bool = True) -> Iterator[An
     if not is_main or tracking is None or not tracking.enabled:
         yield NullTracker()
         return
-    from core.config import dump_config
+    from posttrain.core.config import dump_config
 
     name = os.environ.get("POSTTRAIN_RUN_NAME") or stage
     # POSTTRAIN_RUN_ID: the child run the pipeline flow opened when it launched this stage (so the
@@ -312,7 +312,7 @@ def stage_run(cfg: StageConfig, stage: str, is_main: bool = True) -> Iterator[An
     try:
         yield tracker
     except BaseException as e:
-        from core.reliability import Preempted
+        from posttrain.core.reliability import Preempted
 
         tracker.set_tags({"posttrain.error": f"{type(e).__name__}: {e}"[:5000]})
         tracker.end(status="KILLED" if isinstance(e, (Preempted, KeyboardInterrupt)) else "FAILED")

@@ -2,10 +2,10 @@
 
 A stage's spec is self-contained: model, data, layout and loop, plus its own launcher and tracking
 when it is run alone (`launcher: None` = the pipeline's). Building blocks come from their owners:
-ModelConfig (core.model.config), LoRAConfig (core.lora.config), ParallelConfig
-(core.parallel.config), OptimConfig (core.optim), DataConfig (core.data.config),
-CheckpointConfig (core.checkpoint.config), ReliabilityConfig (core.reliability.config),
-TrackingConfig (core.tracking), LauncherConfig (stages.launch.config).
+ModelConfig (posttrain.core.model.config), LoRAConfig (posttrain.core.lora.config), ParallelConfig
+(posttrain.core.parallel.config), OptimConfig (posttrain.core.optim), DataConfig (posttrain.core.data.config),
+CheckpointConfig (posttrain.core.checkpoint.config), ReliabilityConfig (posttrain.core.reliability.config),
+TrackingConfig (posttrain.core.tracking), LauncherConfig (posttrain.stages.launch.config).
 
 Why this file is long: it is the one schema every entry point reads (the CLI, the pipeline's
 nodes, the Prefect run form's JSON schema, the docs' field tables): each stage kind's fields and
@@ -20,23 +20,23 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from core.checkpoint.config import CheckpointConfig
-from core.config import ConfigModel, Dtype
-from core.data.config import DataConfig
-from core.lora.config import LoRAConfig
-from core.model.config import ModelConfig
-from core.optim import OptimConfig
-from core.parallel.config import ParallelConfig
-from core.precision import PrecisionConfig, check_precision
-from core.qat import QATConfig, check_qat
-from core.preference_types import (F_DIVERGENCE_LOSSES, REFERENCE_FREE_LOSSES, SMOOTHED_LOSSES, SORTING_LOSSES)
-from core.reliability.config import ReliabilityConfig
-from core.tracking import TrackingConfig
-from stages.launch.config import LauncherConfig
+from posttrain.core.checkpoint.config import CheckpointConfig
+from posttrain.core.config import ConfigModel, Dtype
+from posttrain.core.data.config import DataConfig
+from posttrain.core.lora.config import LoRAConfig
+from posttrain.core.model.config import ModelConfig
+from posttrain.core.optim import OptimConfig
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.precision import PrecisionConfig, check_precision
+from posttrain.core.qat import QATConfig, check_qat
+from posttrain.core.preference_types import (F_DIVERGENCE_LOSSES, REFERENCE_FREE_LOSSES, SMOOTHED_LOSSES, SORTING_LOSSES)
+from posttrain.core.reliability.config import ReliabilityConfig
+from posttrain.core.tracking import TrackingConfig
+from posttrain.stages.launch.config import LauncherConfig
 
 
 KINDS = ("data_prep", "sft", "distill", "dpo", "grpo", "evaluate")
-"""The stage kinds; kind `k` runs as `python -m stages.<k>` (a pipeline node names its kind)."""
+"""The stage kinds; kind `k` runs as `python -m posttrain.stages.<k>` (a pipeline node names its kind)."""
 
 
 def model_shorthand(v: Any) -> Any:
@@ -99,8 +99,8 @@ class DataPrepConfig(StageConfig):
 
 
 Sampler = Literal["static", "engine"]
-SAMPLER = Field("static", description="Who samples: 'static' (core.model.generate: a left-padded batch, any layout) "
-                "or 'engine' (core.generation: paged KV cache, continuous batching, the n samples of a prompt "
+SAMPLER = Field("static", description="Who samples: 'static' (posttrain.core.model.generate: a left-padded batch, any layout) "
+                "or 'engine' (posttrain.core.generation: paged KV cache, continuous batching, the n samples of a prompt "
                 "sharing its blocks; the model whole on each rank or split by tp; see docs/generation.md).")
 
 
@@ -159,7 +159,7 @@ class TrainStageConfig(StageConfig):
 
     def check_stage_layout(self) -> None:
         """ValueError naming the key when this stage cannot run under cfg.parallel (the layouts
-        core.parallel itself cannot take are checked against the world and the model)."""
+        posttrain.core.parallel itself cannot take are checked against the world and the model)."""
         p = self.parallel
         if p.pp > 1:
             self._check_pipeline()
@@ -327,7 +327,7 @@ class DistillConfig(TrainStageConfig):
     def teacher_layout(self) -> ParallelConfig:
         """The teacher's layout: teacher.parallel, else the student's (without expert parallelism,
         which the teacher's own experts may not divide). Offline, it scores whole documents before
-        training as an ordinary model (stages.distill.score_teacher), and the held-out KL runs
+        training as an ordinary model (posttrain.stages.distill.score_teacher), and the held-out KL runs
         it on the student's context-parallel shards."""
         return self.teacher.parallel or self.parallel.model_copy(update={"ep": 1})
 
@@ -472,7 +472,7 @@ class DPOConfig(TrainStageConfig):
         return set(self.loss_types) <= set(REFERENCE_FREE_LOSSES)
 
     def loss_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of core.preference.dpo_loss beyond beta and the log-probs."""
+        """The keyword arguments of posttrain.core.preference.dpo_loss beyond beta and the log-probs."""
         return {"loss_type": self.loss_types, "label_smoothing": self.label_smoothing,
                 "simpo_gamma": self.simpo_gamma, "sft_weight": self.sft_weight, "loss_weights": self.loss_weights,
                 "f_divergence_type": self.f_divergence_type, "f_alpha_divergence_coef": self.f_alpha_divergence_coef,
@@ -523,7 +523,7 @@ class GRPOConfig(TrainStageConfig):
 
     @property
     def num_samples(self) -> int:
-        """The group size under on-policy DPO's name (stages.on_policy.Reward reads it)."""
+        """The group size under on-policy DPO's name (posttrain.stages.on_policy.Reward reads it)."""
         return self.num_generations
 
     @model_validator(mode="after")
@@ -635,7 +635,7 @@ class EvalConfig(StageConfig):
         if asked is not None and not asked:
             raise ValueError("metrics: [] computes nothing; list metrics or leave it unset (all the data allows)")
         if self.verifier is not None:
-            from core.rewards import BUILTIN
+            from posttrain.core.rewards import BUILTIN
 
             if self.verifier not in BUILTIN and ":" not in self.verifier.strip(":"):
                 raise ValueError(f"verifier={self.verifier!r}: give {' or '.join(BUILTIN)}, or 'module:function'")
@@ -677,5 +677,5 @@ class EvalConfig(StageConfig):
 STAGE_CONFIGS: dict[str, type[StageConfig]] = {
     "data_prep": DataPrepConfig, "sft": SFTConfig, "distill": DistillConfig,
     "dpo": DPOConfig, "grpo": GRPOConfig, "evaluate": EvalConfig}
-"""Stage module name -> its config class (for `python -m stages.<name> --config spec.json`)."""
+"""Stage module name -> its config class (for `python -m posttrain.stages.<name> --config spec.json`)."""
 

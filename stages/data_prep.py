@@ -1,11 +1,11 @@
 """Data preparation: import and validate sources (or make the synthetic suite), train or load a
-tokenizer, then core.data's one path (dedup, encode with labels, filter by token length, split by
-content hash) and Parquet files plus a manifest (layout: core.data.prepared).
+tokenizer, then posttrain.core.data's one path (dedup, encode with labels, filter by token length, split by
+content hash) and Parquet files plus a manifest (layout: posttrain.core.data.prepared).
 
-Drops are counted as `dropped/{task}:{reason}` (core.data.errors.REASONS: invalid rows in skip
+Drops are counted as `dropped/{task}:{reason}` (posttrain.core.data.errors.REASONS: invalid rows in skip
 mode, duplicate, too_long over max_tokens, too_short under min_tokens).
 
-    python -m stages.data_prep --config spec.json     (rank 0 works; other ranks wait)
+    python -m posttrain.stages.data_prep --config spec.json     (rank 0 works; other ranks wait)
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from stages.config import DataPrepConfig
-from core.data import (SPLITS, DataError, DropStats, Encoder, ExamplePipeline, detect_format, for_each_example,
+from posttrain.stages.config import DataPrepConfig
+from posttrain.core.data import (SPLITS, DataError, DropStats, Encoder, ExamplePipeline, detect_format, for_each_example,
                        num_tokens, output_key, record, validate_row)
-from core.data.dataset import read_template
-from core.data.errors import RowError
-from core.data.formats import Example, Preference, Unpaired
-from core.data.prepared import TASKS as PREPARED_TASKS
-from core.manifest import write_manifest
-from core.tasks import TASKS, make_suite
-from stages.common import parse_spec, stage_run, start_distributed
+from posttrain.core.data.dataset import read_template
+from posttrain.core.data.errors import RowError
+from posttrain.core.data.formats import Example, Preference, Unpaired
+from posttrain.core.data.prepared import TASKS as PREPARED_TASKS
+from posttrain.core.manifest import write_manifest
+from posttrain.core.tasks import TASKS, make_suite
+from posttrain.stages.common import parse_spec, stage_run, start_distributed
 
 log = logging.getLogger("posttrain.data_prep")
 
@@ -43,7 +43,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from registry.tokenizer import Tokenizer
+    from posttrain.registry.tokenizer import Tokenizer
 
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -88,7 +88,7 @@ def _task(example: Example) -> str:
 
 def _tokenizer(cfg: DataPrepConfig, out: Path, suite: list) -> Any:
     """The tokenizer given (copied beside the data), or a BPE trained on every example's text."""
-    from registry.tokenizer import Tokenizer
+    from posttrain.registry.tokenizer import Tokenizer
 
     if cfg.tokenizer:
         tok = Tokenizer.from_pretrained(cfg.tokenizer)
@@ -104,9 +104,9 @@ def _tokenizer(cfg: DataPrepConfig, out: Path, suite: list) -> Any:
 
 
 def prepare(cfg: DataPrepConfig, run_id: str | None = None) -> dict[str, Any]:
-    """Sources and the synthetic suite through core.data's one path: validate (for_each_example),
+    """Sources and the synthetic suite through posttrain.core.data's one path: validate (for_each_example),
     then per task dedup by content hash, encode (Encoder: chat template, labels; examples over
-    max_tokens dropped), drop under min_tokens, split by core.data.split; then Parquet + manifest."""
+    max_tokens dropped), drop under min_tokens, split by posttrain.core.data.split; then Parquet + manifest."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

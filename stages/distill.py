@@ -16,7 +16,7 @@ the same rows whatever data.mask_prompt.
 Reports the teacher's share of the step time (time/teacher_frac), and the student's sampling
 share in on_policy mode (time/student_sampling_frac).
 
-    torchrun --nproc-per-node 2 -m stages.distill --config spec.json
+    torchrun --nproc-per-node 2 -m posttrain.stages.distill --config spec.json
 """
 
 from __future__ import annotations
@@ -34,19 +34,19 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from core.parallel.config import ParallelConfig
-from stages.config import DistillConfig
-from core.data.encode import Document, last_run_start
-from core.data.packing import collate_padded, collate_padding_free
-from core.losses import IGNORE_INDEX
-from core.manifest import digest
-from core.model.generate import SamplingParams, generate
-from core.objectives import distill_objective, teacher_topk, topk_distill_objective
-from core.pipeline_objectives import pipelined_distill, pipelined_topk_distill
-from stages.adapters import adapter_routing, per_adapter_loss, routed, trained_adapters
-from stages.common import Dist, StageError, parse_spec
-from stages.recipe import Plan, Session, load_frozen, run_training
-from stages.training import (DeviceLoader, doc_loader, drop_metrics, mean_loss, pipeline_of, sampling, sampling_lead,
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.stages.config import DistillConfig
+from posttrain.core.data.encode import Document, last_run_start
+from posttrain.core.data.packing import collate_padded, collate_padding_free
+from posttrain.core.losses import IGNORE_INDEX
+from posttrain.core.manifest import digest
+from posttrain.core.model.generate import SamplingParams, generate
+from posttrain.core.objectives import distill_objective, teacher_topk, topk_distill_objective
+from posttrain.core.pipeline_objectives import pipelined_distill, pipelined_topk_distill
+from posttrain.stages.adapters import adapter_routing, per_adapter_loss, routed, trained_adapters
+from posttrain.stages.common import Dist, StageError, parse_spec
+from posttrain.stages.recipe import Plan, Session, load_frozen, run_training
+from posttrain.stages.training import (DeviceLoader, doc_loader, drop_metrics, mean_loss, pipeline_of, sampling, sampling_lead,
                              sampling_unit, stage_data, to_device)
 
 log = logging.getLogger("posttrain.distill")
@@ -85,7 +85,7 @@ class OnPolicyMix:
         self.loader, self.session, self.prompts = loader, session, prompts
         self.student, self.tok, self.cfg, self.device = session.model, session.tok, session.cfg, session.dist.device
         self.samples = self.truncated = 0
-        # generation.mode disaggregated (stages.generators.Generators): the workers sample, with the
+        # generation.mode disaggregated (posttrain.stages.generators.Generators): the workers sample, with the
         # weights of the step being trained; the training loop draws micro-batches in lockstep with
         # its steps, so batch b is trained by the weights after step b // grad_accum (the version)
         self.generators, self.drawn = generators, 0
@@ -158,7 +158,7 @@ class OnPolicyMix:
     def _colocated(self, prompts: list[list[int]], params) -> list:
         with sampling(self.student, self.cfg.parallel):  # every rank samples at the same micro-step
             if self.cfg.sampler == "engine":
-                from core.generation.engine import engine_generate
+                from posttrain.core.generation.engine import engine_generate
 
                 gens = engine_generate(self.student, prompts, params)
             else:
@@ -169,7 +169,7 @@ class OnPolicyMix:
     def _remote(self, prompts: list[list[int]], params: SamplingParams) -> list:
         """The workers sample every data shard's prompts (a tp or cp group's ranks share theirs);
         each rank takes its shard's. Collective: the sync and the gather."""
-        from core.generation.remote import Request
+        from posttrain.core.generation.remote import Request
 
         d, g = self.session.dist, self.generators
         version = (self.drawn - 1) // self.cfg.optim.grad_accum_steps
@@ -269,7 +269,7 @@ def score_teacher(teacher, docs: list[Document], k: int, cache: Path, teacher_id
                   layout: ParallelConfig) -> TeacherTopK:
     """Score the documents with the teacher into its TeacherTopK cache (unless complete): the
     chunks still missing are dealt round-robin to the sampling units (each rank, or each tp group,
-    whose ranks score the same chunk in lockstep: core.objectives.teacher_topk), each unit's first
+    whose ranks score the same chunk in lockstep: posttrain.core.objectives.teacher_topk), each unit's first
     rank writes its chunks' files (atomically, so a run killed meanwhile leaves whole files that the
     next run keeps), and every rank runs as many forwards (a unit out of chunks scores one again,
     unsaved): a sharded teacher's forwards are collective."""
@@ -355,7 +355,7 @@ class Distill:
         elif cfg.mode == "on_policy":
             generators = None
             if cfg.generation.mode == "disaggregated":
-                from stages.generators import Generators
+                from posttrain.stages.generators import Generators
 
                 generators = Generators(s)
             train = OnPolicyMix(train, s, prompts, generators)

@@ -9,7 +9,7 @@ the starting model (any policy: full fine-tuning too), or log-probs precomputed 
 beside the outputs. Chosen and rejected share one forward. Unpaired rows (prompt, completion,
 label: TRL's KTO format) train `loss_type: kto` (`setup_unpaired`, docs/preference_losses.md).
 
-    torchrun --nproc-per-node 2 -m stages.dpo --config spec.json
+    torchrun --nproc-per-node 2 -m posttrain.stages.dpo --config spec.json
 """
 
 from __future__ import annotations
@@ -22,19 +22,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from stages.config import DPOConfig
-from core.data.encode import PreferencePair, UnpairedExample
-from core.data.packing import collate_padding_free, collate_preference, collate_unpaired
-from core.data.prepared import data_task
-from core.lora import disable_adapter
-from core.manifest import digest
-from core.objectives import dpo_objective, kto_objective, pair_logps
-from core.pipeline_objectives import pipeline_pair_logps, pipelined_dpo
-from stages.adapters import adapter_routing, routed, trained_adapters
-from stages.common import Dist, StageError, parse_spec
-from stages.on_policy import on_policy_pairs
-from stages.recipe import Plan, Session, load_frozen, run_training
-from stages.training import DeviceLoader, drop_metrics, pair_loader, pipeline_of, stage_data, to_device
+from posttrain.stages.config import DPOConfig
+from posttrain.core.data.encode import PreferencePair, UnpairedExample
+from posttrain.core.data.packing import collate_padding_free, collate_preference, collate_unpaired
+from posttrain.core.data.prepared import data_task
+from posttrain.core.lora import disable_adapter
+from posttrain.core.manifest import digest
+from posttrain.core.objectives import dpo_objective, kto_objective, pair_logps
+from posttrain.core.pipeline_objectives import pipeline_pair_logps, pipelined_dpo
+from posttrain.stages.adapters import adapter_routing, routed, trained_adapters
+from posttrain.stages.common import Dist, StageError, parse_spec
+from posttrain.stages.on_policy import on_policy_pairs
+from posttrain.stages.recipe import Plan, Session, load_frozen, run_training
+from posttrain.stages.training import DeviceLoader, drop_metrics, pair_loader, pipeline_of, stage_data, to_device
 
 log = logging.getLogger("posttrain.dpo")
 

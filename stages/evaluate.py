@@ -1,6 +1,6 @@
 """Evaluation: the models of `models`, side by side, on the user's data or data prep's held-out split.
 
-    torchrun --nproc-per-node 2 -m stages.evaluate --config spec.json
+    torchrun --nproc-per-node 2 -m posttrain.stages.evaluate --config spec.json
 
 Before any model loads, the rows are read (stages/evaluation/plan.py), the metrics chosen and
 checked against the data, every model path and verifier resolved and every row tokenized with each
@@ -20,17 +20,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from core.data.rows import prompt_text
-from core.model.config import ModelConfig
-from core.parallel.config import ParallelConfig
-from stages.common import (Dist, close_distributed, find_tokenizer_dir, load_model, load_tokenizer,
+from posttrain.core.data.rows import prompt_text
+from posttrain.core.model.config import ModelConfig
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.stages.common import (Dist, close_distributed, find_tokenizer_dir, load_model, load_tokenizer,
                            materialize_model, parse_spec, progress, stage_run, start_distributed)
-from stages.config import EvalConfig
-from stages.training import sampling_unit
-from stages.evaluation import metrics as M
-from stages.evaluation.outputs import write_outputs
-from stages.evaluation.plan import EvalData, Plan, fail, group_of, load_eval_data, model_names, plan_metrics
-from stages.evaluation.scoring import (Scorer, check_model, check_vocab, completion_nll, encode,
+from posttrain.stages.config import EvalConfig
+from posttrain.stages.training import sampling_unit
+from posttrain.stages.evaluation import metrics as M
+from posttrain.stages.evaluation.outputs import write_outputs
+from posttrain.stages.evaluation.plan import EvalData, Plan, fail, group_of, load_eval_data, model_names, plan_metrics
+from posttrain.stages.evaluation.scoring import (Scorer, check_model, check_vocab, completion_nll, encode,
                                        gather, generate_records, judge_scores, pair_logps, raise_errors)
 
 log = logging.getLogger("posttrain.evaluate")
@@ -74,7 +74,7 @@ def load_split(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
         return load_model(model_cfg, d.device, cfg.seed)[0]
     import torch.distributed as dist
 
-    from core.parallel import ParallelDims, ParallelMesh, parallelize
+    from posttrain.core.parallel import ParallelDims, ParallelMesh, parallelize
 
     model, _ = load_model(model_cfg, d.device, cfg.seed, meta=True)
     try:
@@ -104,7 +104,7 @@ def rows_whole(p: ParallelConfig, world: int) -> ParallelConfig:
     shards the weights and ep borrows ranks just as over dp_shard x cp."""
     if p.cp == 1:
         return p
-    from core.parallel import ParallelDims
+    from posttrain.core.parallel import ParallelDims
 
     dims = ParallelDims.from_config(p, world)
     return p.model_copy(update={"dp_shard": dims.dp_shard * dims.cp, "cp": 1})
@@ -112,8 +112,8 @@ def rows_whole(p: ParallelConfig, world: int) -> ParallelConfig:
 
 def load_staged(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
     """Under parallel.pp: the model split into pipeline stages (x tp), each rank building and
-    reading only its stages' blocks (core.parallel.pipeline.keep_own_stages). Its forward walks
-    the stages in turn and generation decodes stage by stage (core.parallel.pipeline_decode); the
+    reading only its stages' blocks (posttrain.core.parallel.pipeline.keep_own_stages). Its forward walks
+    the stages in turn and generation decodes stage by stage (posttrain.core.parallel.pipeline_decode); the
     ranks of a pipeline (and their tp groups) score the same batches, the data-parallel replicas
     their own. No sequence split under tp (whole rows, as for decoding). Sharded (`sharded`:
     dp_shard > 1 or cp, which joins dp_shard as rows are whole), each stage is FSDP for
@@ -122,8 +122,8 @@ def load_staged(model_cfg: ModelConfig, cfg: EvalConfig, d: Dist):
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    from core.parallel import ParallelDims, ParallelMesh, parallelize_pipeline
-    from core.parallel.pipeline import keep_own_stages
+    from posttrain.core.parallel import ParallelDims, ParallelMesh, parallelize_pipeline
+    from posttrain.core.parallel.pipeline import keep_own_stages
 
     model, _ = load_model(model_cfg, d.device, cfg.seed, meta=True)
     layout = rows_whole(cfg.parallel, d.world).model_copy(update={"ep": 1, "sequence_parallel": False})
@@ -213,7 +213,7 @@ def samples_of(records: dict[str, dict[str, dict[int, Any]]], data: EvalData, cf
 
 
 def run(cfg: EvalConfig) -> dict:
-    from kernels.dispatch import set_mode
+    from posttrain.kernels.dispatch import set_mode
 
     set_mode(cfg.kernels)
     d = start_distributed(cfg.parallel)

@@ -1,5 +1,5 @@
 """A training stage's disaggregated sampling (generation.mode: disaggregated): generator worker
-processes on the lead rank's host (core.generation.remote), fed the policy's weights by version.
+processes on the lead rank's host (posttrain.core.generation.remote), fed the policy's weights by version.
 
 `Generators` is on every trainer rank. Per round: `sync(version)` (collective over the trainer's
 ranks: a sharded policy is gathered bucket by bucket; skipped when that version was already sent),
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from core.generation.remote import Disaggregated, Request, WorkerSpec
-from core.generation.weights import Staleness
-from stages.common import StageError
-from stages.recipe import Session, generator_model
+from posttrain.core.generation.remote import Disaggregated, Request, WorkerSpec
+from posttrain.core.generation.weights import Staleness
+from posttrain.stages.common import StageError
+from posttrain.stages.recipe import Session, generator_model
 
 log = logging.getLogger("posttrain.generators")
 

@@ -1,7 +1,7 @@
 """GRPO (Shao et al. 2024): the policy samples a group of `num_generations` completions for each
 prompt, a reward scores them (the verifier or judge on-policy DPO uses: stages/on_policy.py), each
-completion's advantage is its reward against its group's (core.grpo.group_advantages), and the
-policy is trained on its own samples with the clipped policy-gradient loss (core.grpo).
+completion's advantage is its reward against its group's (posttrain.core.grpo.group_advantages), and the
+policy is trained on its own samples with the clipped policy-gradient loss (posttrain.core.grpo).
 
 Rounds: each round takes the next `prompts_per_step` prompts (shuffled per epoch by data.seed),
 samples them, scores them, and then runs `num_iterations` optimizer steps over the same samples,
@@ -21,7 +21,7 @@ Every round's samples, rewards and advantages are appended to <output>/grpo/roll
 A resumed run continues at the round and micro-batch the checkpoint recorded; a round cut by the
 kill is sampled again, with the resumed policy.
 
-    torchrun --nproc-per-node 2 -m stages.grpo --config spec.json
+    torchrun --nproc-per-node 2 -m posttrain.stages.grpo --config spec.json
 """
 
 from __future__ import annotations
@@ -34,22 +34,22 @@ from typing import Any
 
 import torch
 
-from core.data.encode import Document
-from core.data.errors import DropStats
-from core.data.packing import collate_padding_free
-from core.data.prepared import is_prepared
-from core.data.rows import prompt_rows
-from core.grpo import group_advantages, grpo_objective, zero_std_share
-from core.losses import IGNORE_INDEX
-from core.lora import disable_adapter
-from core.manifest import read_manifest
-from core.model.generate import SamplingParams, generate
-from core.objectives import token_logps
-from stages.common import StageError, parse_spec
-from stages.config import GRPOConfig
-from stages.on_policy import Prompt, Reward, gather_chunks, prepare_prompts, prompt_sets
-from stages.recipe import Plan, Session, load_frozen, run_training
-from stages.training import sampling, sampling_lead, sampling_unit, to_device
+from posttrain.core.data.encode import Document
+from posttrain.core.data.errors import DropStats
+from posttrain.core.data.packing import collate_padding_free
+from posttrain.core.data.prepared import is_prepared
+from posttrain.core.data.rows import prompt_rows
+from posttrain.core.grpo import group_advantages, grpo_objective, zero_std_share
+from posttrain.core.losses import IGNORE_INDEX
+from posttrain.core.lora import disable_adapter
+from posttrain.core.manifest import read_manifest
+from posttrain.core.model.generate import SamplingParams, generate
+from posttrain.core.objectives import token_logps
+from posttrain.stages.common import StageError, parse_spec
+from posttrain.stages.config import GRPOConfig
+from posttrain.stages.on_policy import Prompt, Reward, gather_chunks, prepare_prompts, prompt_sets
+from posttrain.stages.recipe import Plan, Session, load_frozen, run_training
+from posttrain.stages.training import sampling, sampling_lead, sampling_unit, to_device
 
 log = logging.getLogger("posttrain.grpo")
 
@@ -62,14 +62,14 @@ def round_seed(seed: int, split: str, rnd: int, chunk: int) -> int:
 
 def sample_chunk(s: Session, prompts: list[list[int]], n: int, params: dict[str, Any], seed: int
                  ) -> list[list[list[int]]]:
-    """`n` completions (token ids) of each prompt: core.model.generate on the prompts x n as one
+    """`n` completions (token ids) of each prompt: posttrain.core.model.generate on the prompts x n as one
     static batch, or (sampler='engine', one process) the paged-KV engine, whose n samples of a
-    prompt share its KV blocks (core.generation.engine.engine_generate: a fresh engine each call,
+    prompt share its KV blocks (posttrain.core.generation.engine.engine_generate: a fresh engine each call,
     its cache holding the policy's KV, which the next step changes)."""
     tok, model = s.tok, s.model
     sp = SamplingParams(stop_token_ids=tuple(tok.eos_ids), seed=seed, **params)
     if s.cfg.sampler == "engine":  # prompt-major, as generate on the prompts repeated n times
-        from core.generation.engine import engine_generate
+        from posttrain.core.generation.engine import engine_generate
 
         gens = engine_generate(model, prompts, sp, n=n)
     else:
@@ -118,7 +118,7 @@ class Rollouts:
     def __init__(self, s: Session, prompts: list[Prompt], reward: Reward, ref_model=None, generators=None):
         cfg, d = s.cfg, s.dist
         self.s, self.cfg, self.d, self.prompts, self.reward, self.ref_model = s, cfg, d, prompts, reward, ref_model
-        self.generators = generators  # stages.generators.Generators (generation.mode: disaggregated), or None
+        self.generators = generators  # posttrain.stages.generators.Generators (generation.mode: disaggregated), or None
         self.P, self.G = cfg.prompts_per_step, cfg.num_generations
         self.rounds_per_epoch = len(prompts) // self.P
         if self.rounds_per_epoch == 0:
@@ -203,7 +203,7 @@ class Rollouts:
     def requests(self, rnd: int) -> list:
         """Round `rnd`'s chunks as generator requests: the seeds and parameters colocated
         sampling uses, so the samples are the engine's on the trainer's processes."""
-        from core.generation.remote import Request
+        from posttrain.core.generation.remote import Request
 
         params = {**self.params, "stop_token_ids": tuple(self.s.tok.eos_ids)}
         return [Request([p.ids for p in chunk], {**params, "seed": round_seed(self.cfg.seed, "train", rnd, k)},
@@ -229,7 +229,7 @@ class Rollouts:
     def score(self, batches: list[dict[str, Any]]) -> None:
         """The sampling-time log-probs (num_iterations > 1) and the reference's (beta > 0) of each
         micro-batch. Every rank runs as many forwards (a sharded policy's are collective), under the
-        autocast the trainer's forwards run in (stages.recipe.build_trainer), so that the ratio at
+        autocast the trainer's forwards run in (posttrain.stages.recipe.build_trainer), so that the ratio at
         the sampling policy is 1 in bf16 too."""
         cfg, model = self.cfg, self.s.model
         if cfg.num_iterations == 1 and not cfg.beta:
@@ -315,7 +315,7 @@ class GRPO:
             ref_model = load_frozen(cfg.model, cfg.parallel, d, cfg.seed, what="reference")[0]
         generators = None
         if cfg.generation.mode == "disaggregated":
-            from stages.generators import Generators
+            from posttrain.stages.generators import Generators
 
             generators = Generators(s)
         rollouts = Rollouts(s, train, reward, ref_model, generators)

@@ -1,7 +1,7 @@
 """On-policy preference pairs for DPO (`pairs: on_policy`): the policy samples completions for the
 data's prompts, a reward ranks them, the best is chosen and the worst rejected.
 
-Prompts are core.data.rows.prompt_rows of every source: data prep's output (its preference rows, or
+Prompts are posttrain.core.data.rows.prompt_rows of every source: data prep's output (its preference rows, or
 its SFT rows where it prepared no pairs) or the user's own files, in any TRL format or prompts only
 (`{"prompt": "2+2?", "answer": "4"}`). A message prompt is rendered with the chat template
 (data.chat_template or the tokenizer's) and a generation prompt; a string prompt is plain text, as
@@ -12,7 +12,7 @@ The reward (DPOConfig):
              (its sampled tokens, the stop token included) given the prompt's tokens; the judge
              must share the policy's vocabulary
   reward     'exact_match' / 'normalized_match' against row[reference_column], or a verifier
-             'module:function(prompt, completion, row) -> float' (core.rewards.load_verifier)
+             'module:function(prompt, completion, row) -> float' (posttrain.core.rewards.load_verifier)
 A verifier gets the prompt as text (the last user turn), the completion decoded without special
 tokens, and the row: its other columns plus prompt / completion / chosen / rejected as text.
 
@@ -21,7 +21,7 @@ of equals); a prompt whose samples all score the same gives no pair, except that
 verifier, when no sample is correct, the row's reference answer stands as chosen.
 
 Splits: data prep's own; a user's file's rows by the split a saved DatasetDict names, else by a
-hash of the prompt with data.val_fraction / test_fraction (core.data.split, as load_data splits the
+hash of the prompt with data.val_fraction / test_fraction (posttrain.core.data.split, as load_data splits the
 same file). Training samples at most as many prompts as max_steps can use. Validation pairs are the
 data's own pairs where a source holds pairs (data prep's preference validation split, the validation
 share of a user's preference file), else pairs sampled as above for the validation prompts.
@@ -49,21 +49,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from core.atomic import write_text_atomic
-from core.data.dataset import read_template
-from core.data.encode import Document, PreferencePair
-from core.data.errors import DataError, DropStats, RowError
-from core.data.packing import collate_padding_free, sequence_sums
-from core.data.prepared import fit_pair, is_prepared, load_splits
-from core.data.rows import PromptRow, completion_text, prompt_rows, prompt_text
-from core.data.split import assign_split, split_key
-from core.losses import IGNORE_INDEX
-from core.manifest import read_manifest
-from core.model.generate import SamplingParams, generate
-from core.objectives import token_logps
-from core.rewards import BUILTIN, VerifierError, load_verifier
-from stages.common import StageError, find_tokenizer_dir, load_model, load_tokenizer
-from stages.training import sampling, sampling_unit, to_device
+from posttrain.core.atomic import write_text_atomic
+from posttrain.core.data.dataset import read_template
+from posttrain.core.data.encode import Document, PreferencePair
+from posttrain.core.data.errors import DataError, DropStats, RowError
+from posttrain.core.data.packing import collate_padding_free, sequence_sums
+from posttrain.core.data.prepared import fit_pair, is_prepared, load_splits
+from posttrain.core.data.rows import PromptRow, completion_text, prompt_rows, prompt_text
+from posttrain.core.data.split import assign_split, split_key
+from posttrain.core.losses import IGNORE_INDEX
+from posttrain.core.manifest import read_manifest
+from posttrain.core.model.generate import SamplingParams, generate
+from posttrain.core.objectives import token_logps
+from posttrain.core.rewards import BUILTIN, VerifierError, load_verifier
+from posttrain.stages.common import StageError, find_tokenizer_dir, load_model, load_tokenizer
+from posttrain.stages.training import sampling, sampling_unit, to_device
 
 log = logging.getLogger("posttrain.dpo")
 
@@ -318,7 +318,7 @@ def choose(p: Prompt, cands: list[list[int]], texts: list[str], scores: list[flo
 def sample_pairs(s, prompts: list[Prompt], reward: Reward, split: str, generators=None
                  ) -> tuple[list[PreferencePair], list[dict[str, Any]]]:
     """Pairs of `prompts`, identical on every rank (module doc), and one record per prompt. With
-    `generators` (stages.generators.Generators, synced) the disaggregated workers sample every
+    `generators` (posttrain.stages.generators.Generators, synced) the disaggregated workers sample every
     chunk, with the seeds the trainer's ranks would have used, and the ranks score their chunks."""
     cfg, d, tok, model = s.cfg, s.dist, s.tok, s.model
     n = cfg.num_samples
@@ -330,7 +330,7 @@ def sample_pairs(s, prompts: list[Prompt], reward: Reward, split: str, generator
 
     remote = None
     if generators is not None:
-        from core.generation.remote import Request
+        from posttrain.core.generation.remote import Request
 
         requests = [Request([p.ids for p in chunk], {**vars(params(k)), "stop_token_ids": list(tok.eos_ids)}, n=n)
                     for k, chunk in enumerate(chunks)]
@@ -349,7 +349,7 @@ def sample_pairs(s, prompts: list[Prompt], reward: Reward, split: str, generator
                 if remote is not None:
                     gens = remote[k]
                 elif cfg.sampler == "engine":  # the n samples of a prompt share its KV blocks
-                    from core.generation.engine import engine_generate
+                    from posttrain.core.generation.engine import engine_generate
 
                     gens = engine_generate(model, [p.ids for p in chunk], params(k), n=n)
                 else:
@@ -411,7 +411,7 @@ def on_policy_pairs(s) -> tuple[list[PreferencePair], list[PreferencePair], dict
     val = val[:len(train)]
     generators = None
     if cfg.generation.mode == "disaggregated":  # the workers live for the sampling only
-        from stages.generators import Generators
+        from posttrain.stages.generators import Generators
 
         generators = Generators(s)
     try:

@@ -7,7 +7,7 @@ every stage (torchtune's recipe shape; stages share no base class):
 
     session = open_session(name, cfg)   # process group, policy (+ LoRA, parallel layout), tokenizer
     plan = stage.setup(session)          # the algorithm: loader, objective, validate, inputs
-    train(session, plan)                 # Trainer + CheckpointManager + core.loop.fit + throughput meter
+    train(session, plan)                 # Trainer + CheckpointManager + posttrain.core.loop.fit + throughput meter
     finish(session, plan, ...)           # export HF model / PEFT adapter, manifest, final metrics
 
 Metrics every stage logs: the trainer's (loss, grad_norm, lr, tokens), the throughput meter's
@@ -26,28 +26,28 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from core.checkpoint import CheckpointManager
-from core.manifest import CHECKPOINTS
-from stages.config import TrainStageConfig
-from core.lora import apply_lora
-from core.loop import fit
-from core.model import Transformer
-from core.model.config import ModelConfig
-from core.monitor import ThroughputMeter, flops_per_token
-from core.parallel import ParallelDims, ParallelMesh, parallelize
-from core.parallel.config import ParallelConfig
-from core.parallel.mesh import TorchrunEnv
-from core.parallel.data_parallel import apply_activation_checkpointing, apply_compile
-from core.qat import prepare_qat
-from core.precision import (LossScaler, autocast_dtype, check_fp8_device, convert_fp8, fsdp_dtypes,
+from posttrain.core.checkpoint import CheckpointManager
+from posttrain.core.manifest import CHECKPOINTS
+from posttrain.stages.config import TrainStageConfig
+from posttrain.core.lora import apply_lora
+from posttrain.core.loop import fit
+from posttrain.core.model import Transformer
+from posttrain.core.model.config import ModelConfig
+from posttrain.core.monitor import ThroughputMeter, flops_per_token
+from posttrain.core.parallel import ParallelDims, ParallelMesh, parallelize
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.parallel.mesh import TorchrunEnv
+from posttrain.core.parallel.data_parallel import apply_activation_checkpointing, apply_compile
+from posttrain.core.qat import prepare_qat
+from posttrain.core.precision import (LossScaler, autocast_dtype, check_fp8_device, convert_fp8, fsdp_dtypes,
                             upcast_trainable)
-from core.reliability import Reliability
-from core.trainer import Objective, Trainer
-from stages.common import (Dist, StageError, close_distributed, load_model, load_on_meta, load_quantized,
+from posttrain.core.reliability import Reliability
+from posttrain.core.trainer import Objective, Trainer
+from posttrain.stages.common import (Dist, StageError, close_distributed, load_model, load_on_meta, load_quantized,
                            load_tokenizer, streams_quantized,
                            materialize_model, progress, stage_run, start_distributed)
-from stages.adapters import log_adapters, trained_adapters
-from stages.training import clear_checkpoints, export
+from posttrain.stages.adapters import log_adapters, trained_adapters
+from posttrain.stages.training import clear_checkpoints, export
 
 log = logging.getLogger("posttrain.recipe")
 
@@ -61,9 +61,9 @@ class Session:
     dist: Dist
     out: Path
     model: Transformer
-    tok: Any  # registry.tokenizer.Tokenizer
+    tok: Any  # posttrain.registry.tokenizer.Tokenizer
     upstream: dict | None  # the manifest of the stage the policy came from
-    run: Any = None  # the stage's MLflow run (core.tracking.Tracker or NullTracker)
+    run: Any = None  # the stage's MLflow run (posttrain.core.tracking.Tracker or NullTracker)
     meter: ThroughputMeter | None = None  # started when training starts: earlier phases do not count
 
     def phase(self, name: str):
@@ -112,9 +112,9 @@ def open_session(name: str, cfg: TrainStageConfig) -> Session:
     """Join the process group, build the policy on the meta device (LoRA applied when enabled),
     check the tokenizer, apply cfg.parallel (checked against the world before the group is made,
     against the model once it is built), then give each rank its shards of the weights
-    (stages.common.materialize_model). DoRA and PiSSA load the whole model first instead, and QLoRA
-    from a checkpoint quantizes each weight as it reads it (stages.common.load_quantized)."""
-    from kernels.dispatch import set_mode
+    (posttrain.stages.common.materialize_model). DoRA and PiSSA load the whole model first instead, and QLoRA
+    from a checkpoint quantizes each weight as it reads it (posttrain.stages.common.load_quantized)."""
+    from posttrain.kernels.dispatch import set_mode
 
     set_mode(cfg.model.kernels)
     d = start_layout(cfg)
@@ -153,9 +153,9 @@ def open_session(name: str, cfg: TrainStageConfig) -> Session:
 def generator_model(cfg_json: str, kind: str) -> Transformer:
     """The policy whole on one process's CPU, built as open_session builds it (LoRA applied,
     QLoRA's base quantized) but without a layout: what a disaggregated generator worker runs
-    (core.generation.remote.WorkerSpec.build; `kind` names the stage's config class in
-    stages.config, which cfg_json is a dump of). Its weights are then the trainer's by sync."""
-    import stages.config as configs
+    (posttrain.core.generation.remote.WorkerSpec.build; `kind` names the stage's config class in
+    posttrain.stages.config, which cfg_json is a dump of). Its weights are then the trainer's by sync."""
+    import posttrain.stages.config as configs
 
     cfg = getattr(configs, kind).model_validate_json(cfg_json)
     cpu = torch.device("cpu")
@@ -184,7 +184,7 @@ def apply_precision(model: Transformer, cfg: TrainStageConfig) -> None:
 
 
 def policy_layout(cfg: TrainStageConfig) -> ParallelConfig:
-    """cfg.parallel with FSDP's mixed precision from cfg.precision (core.precision.fsdp_dtypes)."""
+    """cfg.parallel with FSDP's mixed precision from cfg.precision (posttrain.core.precision.fsdp_dtypes)."""
     p = cfg.parallel
     param, reduce = fsdp_dtypes(cfg.precision, p.mixed_precision_param, p.mixed_precision_reduce)
     return p.model_copy(update={"mixed_precision_param": param, "mixed_precision_reduce": reduce})
@@ -222,7 +222,7 @@ def start_layout(cfg: TrainStageConfig) -> Dist:
 
 
 def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> ParallelMesh | None:
-    """Apply cfg.parallel to the policy in place (core.parallel.parallelize); the mesh, or None
+    """Apply cfg.parallel to the policy in place (posttrain.core.parallel.parallelize); the mesh, or None
     on one process (no mesh: only parallelize's model-local steps)."""
     p = policy_layout(cfg)
     try:
@@ -254,13 +254,13 @@ def parallelize_policy(model: Transformer, cfg: TrainStageConfig, d: Dist) -> Pa
 def parallelize_stages(model: Transformer, cfg: TrainStageConfig, mesh: ParallelMesh, d: Dist) -> None:
     """Pipeline parallelism: split the policy (on meta) into cfg.parallel's stages, parallelize
     each with the rest of the layout (TP, FSDP/DDP), and keep only this rank's stages in `model`
-    (core.parallel.pipeline.keep_own_stages; `model.pipeline` is the schedule). Every step runs
+    (posttrain.core.parallel.pipeline.keep_own_stages; `model.pipeline` is the schedule). Every step runs
     on micro-batches of data.micro_batch_size padded rows of data.max_seq_len tokens (the
     schedule's fixed shapes; the config checked they divide), the loss a token sum normalized by
-    the trainer (core.pipeline_objectives)."""
-    from core.pipeline_objectives import PipelineLoss, pipeline_token_loss
-    from core.parallel import parallelize_pipeline
-    from core.parallel.pipeline import keep_own_stages
+    the trainer (posttrain.core.pipeline_objectives)."""
+    from posttrain.core.pipeline_objectives import PipelineLoss, pipeline_token_loss
+    from posttrain.core.parallel import parallelize_pipeline
+    from posttrain.core.parallel.pipeline import keep_own_stages
 
     p = policy_layout(cfg)
     microbatches = p.pp_microbatches or p.pp
@@ -304,9 +304,9 @@ def parallelize_frozen(model: Transformer, layout: ParallelConfig, d: Dist, comp
         raise StageError(f"{what}.parallel: {e}") from None
     mesh = d.mesh if dims == d.mesh.dims else ParallelMesh(dims, d.device.type)
     if dims.pp > 1:  # split into stages like the policy, forward-only: its logits land on the same last stage
-        from core.pipeline_objectives import PipelineLoss
-        from core.parallel import parallelize_pipeline
-        from core.parallel.pipeline import keep_own_stages
+        from posttrain.core.pipeline_objectives import PipelineLoss
+        from posttrain.core.parallel import parallelize_pipeline
+        from posttrain.core.parallel.pipeline import keep_own_stages
 
         if d.pipeline is None:
             raise StageError(f"{what}.parallel.pp={dims.pp}: only beside a policy under the same pipeline parallelism")
@@ -394,7 +394,7 @@ def train(s: Session, plan: Plan) -> tuple[dict[str, float], dict[str, float], f
 #   train/...                the rest of the step: grad_norm, lr, tokens, skipped, rewards/*, moe/*,
 #                            per-adapter tokens/<a>, grad_norm/<a>
 #   val/...                  held-out metrics, from step 0 (before training) to the last step
-#   time/..., memory/...     throughput and memory (core.monitor); data/... what the data kept
+#   time/..., memory/...     throughput and memory (posttrain.core.monitor); data/... what the data kept
 # The summary at the end (steps, train/seconds, time totals, data/...) is logged once, at the last step.
 OBJECTIVE_LOSS = {"sft": "train/sft_loss", "distill": "train/kd_loss", "dpo": "train/dpo_loss",
                   "grpo": "train/grpo_loss"}
@@ -417,7 +417,7 @@ def run_metric_names(metrics: dict[str, float], stage: str) -> dict[str, float]:
 def finish(s: Session, plan: Plan, last: dict[str, float], before: dict[str, float], seconds: float) -> dict | None:
     """Export the model, write the manifest (rank 0), log the final metrics and the manifest to
     the stage's run, and drop the resume checkpoints."""
-    from core.manifest import write_manifest
+    from posttrain.core.manifest import write_manifest
 
     d, cfg, out = s.dist, s.cfg, s.out
     metrics = {"train/loss": last.get("loss"), "steps": last["steps"], "train/seconds": seconds,

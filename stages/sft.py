@@ -1,21 +1,21 @@
 """Supervised fine-tuning: full or LoRA/QLoRA, on packed (or padded) batches, with periodic
-validation loss; under every layout of core.parallel, pipeline parallelism included (the
-schedule then runs each micro-batch: core.pipeline_objectives.pipelined_sft). The skeleton
+validation loss; under every layout of posttrain.core.parallel, pipeline parallelism included (the
+schedule then runs each micro-batch: posttrain.core.pipeline_objectives.pipelined_sft). The skeleton
 (stages/recipe.py) does the rest: resume from the stage's own checkpoints, throughput, HF/PEFT
 export and the manifest.
 
-    torchrun --nproc-per-node 2 -m stages.sft --config spec.json
+    torchrun --nproc-per-node 2 -m posttrain.stages.sft --config spec.json
 """
 
 from __future__ import annotations
 
-from stages.config import SFTConfig
-from core.objectives import sft_objective
-from core.pipeline_objectives import pipelined_sft
-from stages.adapters import adapter_routing, per_adapter_loss, routed, trained_adapters
-from stages.common import parse_spec
-from stages.recipe import Plan, Session, run_training
-from stages.training import DeviceLoader, doc_loader, mean_loss, pipeline_of, sft_documents
+from posttrain.stages.config import SFTConfig
+from posttrain.core.objectives import sft_objective
+from posttrain.core.pipeline_objectives import pipelined_sft
+from posttrain.stages.adapters import adapter_routing, per_adapter_loss, routed, trained_adapters
+from posttrain.stages.common import parse_spec
+from posttrain.stages.recipe import Plan, Session, run_training
+from posttrain.stages.training import DeviceLoader, doc_loader, mean_loss, pipeline_of, sft_documents
 
 
 class SFT:

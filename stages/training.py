@@ -1,7 +1,7 @@
 """The pieces training stages share beside the skeleton (stages/recipe.py): data readers and
 loaders, sampling from a sharded policy, validation loss, and export.
 
-Under a mesh (stages.recipe.parallelize_policy: FSDP2, DDP, HSDP, TP with or without sequence
+Under a mesh (posttrain.stages.recipe.parallelize_policy: FSDP2, DDP, HSDP, TP with or without sequence
 parallelism, TP x FSDP) data is dealt by data-parallel rank (tp ranks read the same batches),
 files are written by global rank 0, and every rank runs the same number of forwards (FSDP and TP
 communicate inside them). One process keeps the plain model: no mesh, no process group.
@@ -19,20 +19,20 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from core.data.config import DataConfig
-from core.parallel.config import ParallelConfig
-from stages.config import TrainStageConfig
-from core.data import build_loader, load_documents, load_splits
-from core.data.encode import Document, PreferencePair
-from core.data.errors import DropStats
-from core.data.routing import AdapterRouting
-from core.data.sampler import StatefulLoader
-from core.lora import apply_lora, merged_state_dict
-from core.manifest import CHECKPOINTS
-from core.model import Transformer
-from core.parallel import full_state_dict
-from stages.adapters import export_adapters, trained_adapters
-from stages.common import DTYPES, Dist
+from posttrain.core.data.config import DataConfig
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.stages.config import TrainStageConfig
+from posttrain.core.data import build_loader, load_documents, load_splits
+from posttrain.core.data.encode import Document, PreferencePair
+from posttrain.core.data.errors import DropStats
+from posttrain.core.data.routing import AdapterRouting
+from posttrain.core.data.sampler import StatefulLoader
+from posttrain.core.lora import apply_lora, merged_state_dict
+from posttrain.core.manifest import CHECKPOINTS
+from posttrain.core.model import Transformer
+from posttrain.core.parallel import full_state_dict
+from posttrain.stages.adapters import export_adapters, trained_adapters
+from posttrain.stages.common import DTYPES, Dist
 
 log = logging.getLogger("posttrain.training")
 
@@ -67,11 +67,11 @@ def drop_metrics(stats: DropStats) -> dict[str, float]:
 
 def doc_loader(docs: list[Document], data: DataConfig, d: Dist, epochs: int | None,
                evaluation: bool = False) -> StatefulLoader:
-    """core.data.build_loader over documents: data.packing, micro_batch_size / batch_tokens.
+    """posttrain.core.data.build_loader over documents: data.packing, micro_batch_size / batch_tokens.
     Training keeps ranks in lockstep (drop_last); evaluation sees every document once, and under a
     mesh every rank runs as many forwards (a short rank's filler batch is marked `padding`).
     Under pipeline parallelism the packed rows stay rows (padded (B, L)): the schedule runs on
-    fixed shapes (core.pipeline_objectives.pipeline_rows)."""
+    fixed shapes (posttrain.core.pipeline_objectives.pipeline_rows)."""
     rank, world = d.data_shard
     lockstep = evaluation and d.mesh is not None
     return build_loader(docs, data, rank=rank, world_size=world, num_epochs=epochs, evaluation=evaluation,
@@ -79,7 +79,7 @@ def doc_loader(docs: list[Document], data: DataConfig, d: Dist, epochs: int | No
 
 
 def pipeline_of(d: Dist):
-    """The policy's pipeline schedule under pipeline parallelism (core.parallel.pipeline), else None."""
+    """The policy's pipeline schedule under pipeline parallelism (posttrain.core.parallel.pipeline), else None."""
     return d.pipeline if d.mesh is not None and d.mesh.dims.pp > 1 else None
 
 
@@ -146,11 +146,11 @@ def sampling(model, cfg: ParallelConfig, gather: bool = True):
     and kept for the duration instead of at every forward, so ranks sample without collectives
     (and may stop at different steps); resharded after. Under context parallelism the policy
     attends as an ordinary model meanwhile; under tensor parallelism it decodes without the
-    sequence split, each tp group in lockstep (core.model.generate). gather=False: FSDP units
+    sequence split, each tp group in lockstep (posttrain.core.model.generate). gather=False: FSDP units
     stay sharded, gathered per forward as in training (a model one rank cannot hold whole;
     decoding is then collective: generate(lockstep=...)). Collective: every rank enters it."""
-    from core.parallel.context import without_context_parallel
-    from core.parallel.tensor import decode_without_sequence_parallel
+    from posttrain.core.parallel.context import without_context_parallel
+    from posttrain.core.parallel.tensor import decode_without_sequence_parallel
 
     pipe = getattr(model, "pipeline", None)
     roots = list(pipe.modules) if pipe is not None else [model]  # under PP: this rank's stages
@@ -203,8 +203,8 @@ def export(model, tok, cfg: TrainStageConfig, out: Path, d: Dist) -> dict[str, s
     """Write the stage's model outputs on rank 0: HF weights (LoRA merged) + tokenizer, and the
     PEFT adapter when LoRA was trained (each adapter on its own when several were: stages/adapters.py).
     Returns manifest outputs. Collective."""
-    from registry.adapters import save_adapter
-    from registry.hf import save_pretrained
+    from posttrain.registry.adapters import save_adapter
+    from posttrain.registry.hf import save_pretrained
 
     if any(isinstance(p, DTensor) for p in model.parameters()) or pipeline_of(d) is not None:
         model = gathered_copy(model, cfg, d)  # sharded (FSDP), split (TP) or staged (PP): None off rank 0
@@ -225,7 +225,7 @@ def export(model, tok, cfg: TrainStageConfig, out: Path, d: Dist) -> dict[str, s
             save_adapter(model, out / "adapter", name=name, base_model=cfg.model.name_or_path)
             outputs["adapter"] = "adapter"
         if cfg.qat.enabled:  # the converted model: codes + scales, and their float image (registry/quantized.py)
-            from registry.quantized import save_quantized
+            from posttrain.registry.quantized import save_quantized
 
             save_quantized(model, out / "quantized", cfg.qat, state=merged_state_dict(model, name) if lora else None,
                            dtype=DTYPES[cfg.model.dtype])
@@ -241,7 +241,7 @@ def export(model, tok, cfg: TrainStageConfig, out: Path, d: Dist) -> dict[str, s
 def gathered_copy(model, cfg: TrainStageConfig, d: Dist) -> Transformer | None:
     """A plain copy of a parallelized policy on rank 0's CPU (None on other ranks), LoRA layers
     included, so the single-process export runs on it unchanged. Collective: the weights are
-    gathered one tensor at a time (core.parallel.full_state_dict), the pipeline stages' parts
+    gathered one tensor at a time (posttrain.core.parallel.full_state_dict), the pipeline stages' parts
     then meet on rank 0."""
     state = full_state_dict(model, d.mesh.group("pp") if pipeline_of(d) is not None else None)
     if state is None:

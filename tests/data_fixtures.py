@@ -1,4 +1,4 @@
-"""Helpers for the core.data tests: a small byte-level BPE with a ChatML template, trained here (no
+"""Helpers for the posttrain.core.data tests: a small byte-level BPE with a ChatML template, trained here (no
 downloads, no transformers), and writers for JSONL / Parquet / save_to_disk sources.
 
 The vocabulary stays under the `debug` model preset's 512 so packed rows can go through the model.
@@ -15,8 +15,8 @@ from typing import Any
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from core.data.config import DataConfig
-from registry.tokenizer import Tokenizer
+from posttrain.core.data.config import DataConfig
+from posttrain.registry.tokenizer import Tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (

@@ -1,6 +1,6 @@
 """A tiny training job for fault-injection tests, built like the training stages: the debug model,
-a Trainer with data-parallel gradient sync, core.loop.fit with a CheckpointManager and
-core.reliability, on deterministic synthetic data (a resumable BatchSampler). Faults come from env:
+a Trainer with data-parallel gradient sync, posttrain.core.loop.fit with a CheckpointManager and
+posttrain.core.reliability, on deterministic synthetic data (a resumable BatchSampler). Faults come from env:
 
     FAULT_KILL_AT=STEP[:RANK]   SIGKILL the rank (default 1) in its forward of step STEP; with
                                 FAULT_MARKER=PATH only while PATH does not exist (created first),
@@ -34,16 +34,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from core.checkpoint import CheckpointManager  # noqa: E402
-from core.optim import OptimConfig
-from core.reliability.config import ReliabilityConfig  # noqa: E402
-from core.data.sampler import BatchSampler, StatefulLoader  # noqa: E402
-from core.loop import fit  # noqa: E402
-from core.losses import chunked_cross_entropy, num_target_tokens  # noqa: E402
-from core.model import build_model, get_preset  # noqa: E402
-from core.reliability import Reliability  # noqa: E402
-from core.reliability import all_reduce  # noqa: E402
-from core.trainer import LossOutput, Trainer  # noqa: E402
+from posttrain.core.checkpoint import CheckpointManager  # noqa: E402
+from posttrain.core.optim import OptimConfig
+from posttrain.core.reliability.config import ReliabilityConfig  # noqa: E402
+from posttrain.core.data.sampler import BatchSampler, StatefulLoader  # noqa: E402
+from posttrain.core.loop import fit  # noqa: E402
+from posttrain.core.losses import chunked_cross_entropy, num_target_tokens  # noqa: E402
+from posttrain.core.model import build_model, get_preset  # noqa: E402
+from posttrain.core.reliability import Reliability  # noqa: E402
+from posttrain.core.reliability import all_reduce  # noqa: E402
+from posttrain.core.trainer import LossOutput, Trainer  # noqa: E402
 
 SEQ, BATCH, UNITS, VOCAB = 24, 2, 64, 512
 
@@ -157,7 +157,7 @@ def train(out: str | Path, steps: int = 8, save_every: int = 2, *, seed: int = 0
           collective_timeout: float = 120.0, grace: float = 30.0, spike_zscore: float = 6.0,
           spike_window: int = 8, max_bad_steps: int = 3, preemption: bool = True) -> dict[str, Any]:
     """Run the job (resuming from <out>/checkpoints); returns the final step and rank 0's events."""
-    from stages.common import start_distributed
+    from posttrain.stages.common import start_distributed
 
     torch.set_num_threads(1)  # bit-exact comparisons between runs need the same reduction order
     torch.use_deterministic_algorithms(True)

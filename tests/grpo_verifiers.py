@@ -12,7 +12,7 @@ def overlap(prompt: str, completion: str, row: dict) -> float:
 
 def overlap_killing_a_generator(prompt: str, completion: str, row: dict) -> float:
     """`overlap`, and on its first call SIGKILLs generator worker 0 of this process
-    (core.generation.remote spawns them as children of the trainer's lead rank), as a fault drill:
+    (posttrain.core.generation.remote spawns them as children of the trainer's lead rank), as a fault drill:
     with generation.prefetch the workers are then sampling the next round."""
     import multiprocessing
     import os

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from pydantic import Field
 
-from core.atomic import write_json_atomic
-from core.config import from_json_file
-from stages.config import StageConfig
-from stages.launch.signals import die_with_agent
+from posttrain.core.atomic import write_json_atomic
+from posttrain.core.config import from_json_file
+from posttrain.stages.config import StageConfig
+from posttrain.stages.launch.signals import die_with_agent
 
 MODULE = "tests.probe_stage"  # the name to launch it by
 
@@ -51,8 +51,8 @@ class ProbeConfig(StageConfig):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="ProbeConfig JSON (core.config.to_json_file)")
-    if not die_with_agent():  # as every product stage does (stages.common.parse_spec)
+    parser.add_argument("--config", required=True, help="ProbeConfig JSON (posttrain.core.config.to_json_file)")
+    if not die_with_agent():  # as every product stage does (posttrain.stages.common.parse_spec)
         return 128 + signal.SIGTERM
     cfg = from_json_file(ProbeConfig, parser.parse_args(argv).config)
     if cfg.output_dir is None:

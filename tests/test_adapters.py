@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from core.lora import apply_lora, lora_parameters
-from registry.adapters import load_adapter, save_adapter
-from registry.hf import CheckpointError, load_pretrained
+from posttrain.core.lora import apply_lora, lora_parameters
+from posttrain.registry.adapters import load_adapter, save_adapter
+from posttrain.registry.hf import CheckpointError, load_pretrained
 from tests.hf_models import make_hf_model
 
 
@@ -65,8 +65,8 @@ def test_bad_adapters_are_rejected(qwen_dir, tmp_path):
 @pytest.mark.parametrize("quantize", [False, True])
 def test_merged_export_equals_adapter_model(qwen_dir, tmp_path, quantize):
     """A LoRA (or QLoRA) model exported merged loads as a plain model with the same logits."""
-    from core.lora import merged_state_dict
-    from registry.hf import save_pretrained
+    from posttrain.core.lora import merged_state_dict
+    from posttrain.registry.hf import save_pretrained
 
     ours = load_pretrained(qwen_dir).eval()
     apply_lora(ours, rank=4, alpha=8, targets="all-linear", quantize_base="nf4" if quantize else None)
@@ -88,8 +88,8 @@ def test_expert_adapter_loads_in_peft_with_same_logits(tmp_path, family):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from core.lora import merged_state_dict
-    from registry.hf import save_pretrained
+    from posttrain.core.lora import merged_state_dict
+    from posttrain.registry.hf import save_pretrained
 
     make_hf_model(family, tmp_path / "base")
     ours = load_pretrained(tmp_path / "base").eval()

@@ -28,8 +28,16 @@ def product_files() -> list[Path]:
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    """The dotted name a product file installs as: core/lora/config.py is posttrain.core.lora.config."""
+    parts = ["posttrain", *path.relative_to(ROOT).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def top(module: str) -> str:
+    """The package a module belongs to: the project folder for posttrain.<folder>..., else the
+    top-level name (torch, prefect)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "posttrain" and len(parts) > 1 else parts[0]
 
 
 def _type_checking(node: ast.AST) -> bool:
@@ -64,10 +72,10 @@ def imports(path: Path, module_level_only: bool = False) -> list[tuple[str, list
 def violations(package: str, forbidden: tuple[str, ...], module_level_only: bool = False) -> list[str]:
     bad = []
     for f in product_files():
-        if module_name(f).split(".")[0] != package:
+        if top(module_name(f)) != package:
             continue
         for mod, _, line in imports(f, module_level_only):
-            if mod.split(".")[0] in forbidden:
+            if top(mod) in forbidden:
                 bad.append(f"{f.relative_to(ROOT)}:{line} imports {mod}")
     return sorted(set(bad))
 
@@ -87,7 +95,7 @@ def test_stages_import_no_prefect():
 @pytest.mark.slow
 def test_flows_import_no_torch_at_module_level():
     assert violations("flows", ("torch", "triton"), module_level_only=True) == []
-    code = ("import sys, flows.pipeline, flows.deploy, flows.cli, flows.dag, flows.ui, flows.report, flows.demo; "
+    code = ("import sys, posttrain.flows.pipeline, posttrain.flows.deploy, posttrain.flows.cli, posttrain.flows.dag, posttrain.flows.ui, posttrain.flows.report, posttrain.flows.demo; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -150,7 +158,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles_between_files():
     graph = import_graph()
-    assert len(graph) > 50 and graph["stages.sft"]  # the graph is real
+    assert len(graph) > 50 and graph["posttrain.stages.sft"]  # the graph is real
     assert cycles(graph) == []
 
 
@@ -168,13 +176,13 @@ def test_no_long_product_file_without_a_reason():
     assert long == [], f"split these, or say at the top ('{REASON} ...') why they stay whole"
 
 
-@pytest.mark.parametrize("path,expected", [("core/lora/config.py", "core.lora.config"),
-                                           ("core/data/__init__.py", "core.data")])
+@pytest.mark.parametrize("path,expected", [("core/lora/config.py", "posttrain.core.lora.config"),
+                                           ("core/data/__init__.py", "posttrain.core.data")])
 def test_module_names(path, expected):
     assert module_name(ROOT / path) == expected
 
 
-LAZY = ("core.model", "core.parallel", "core.data", "core.lora", "core.checkpoint", "core.reliability")
+LAZY = ("posttrain.core.model", "posttrain.core.parallel", "posttrain.core.data", "posttrain.core.lora", "posttrain.core.checkpoint", "posttrain.core.reliability")
 
 
 @pytest.mark.parametrize("package", LAZY)
@@ -191,7 +199,7 @@ def test_lazy_packages_export_what_they_list(package):
 
 
 def test_lazy_exports_refuse_a_name_that_is_also_a_submodule():
-    from core.lazy import lazy_exports
+    from posttrain.core.lazy import lazy_exports
 
     with pytest.raises(ImportError, match=r"\['apply'\] are also submodules"):
-        lazy_exports("core.parallel", {"apply": "core.parallel.apply"})
+        lazy_exports("posttrain.core.parallel", {"apply": "posttrain.core.parallel.apply"})

@@ -1,4 +1,4 @@
-"""core.atomic: whole files or none, private modes for secrets, and the directory swap."""
+"""posttrain.core.atomic: whole files or none, private modes for secrets, and the directory swap."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from core.atomic import replace_dir, write_json_atomic
+from posttrain.core.atomic import replace_dir, write_json_atomic
 
 
 def test_json_is_replaced_whole_with_the_mode_asked_for(tmp_path):

@@ -1,4 +1,4 @@
-"""benchmarks.adapters runs end to end at its smallest (--quick --adapters 2 --steps 1) and prints
+"""posttrain.benchmarks.adapters runs end to end at its smallest (--quick --adapters 2 --steps 1) and prints
 the JSON document it promises. Figures are never compared with fixed values; what must hold on
 any machine: the one job and the separate jobs start from the same loss (the same documents and
 adapters), throughputs and memory are positive, and the ratios follow from the per-side figures."""
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # forks a forkserver and 3 jobs (~30 s on a loade
 def test_quick_benchmark_document(tmp_path):
     out = tmp_path / "adapters.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "bench", "adapters", "--quick", "--adapters", "2",
+    proc = subprocess.run([sys.executable, "-m", "posttrain.flows.cli", "bench", "adapters", "--quick", "--adapters", "2",
                            "--steps", "1", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

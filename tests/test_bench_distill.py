@@ -1,4 +1,4 @@
-"""benchmarks.distill runs end to end at its smallest (--quick: one warmup step and two timed steps
+"""posttrain.benchmarks.distill runs end to end at its smallest (--quick: one warmup step and two timed steps
 per side, one repetition) and prints the one JSON document it promises.
 
 Slow: a forkserver that imports torch, transformers, peft, trl and datasets, then four processes
@@ -24,8 +24,8 @@ pytest.importorskip("peft")
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from benchmarks.peer import SIDES  # noqa: E402
-from benchmarks.distill import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, ON_POLICY_SIDES, QUICK,  # noqa: E402
+from posttrain.benchmarks.peer import SIDES  # noqa: E402
+from posttrain.benchmarks.distill import (FIRST_LOSS_RTOL, GRAD_NORM_RTOL, ON_POLICY_SIDES, QUICK,  # noqa: E402
                                 SECOND_LOSS_RTOL, TARGETS, main, step_targets, step_tokens, steps_of)
 
 pytestmark = pytest.mark.slow

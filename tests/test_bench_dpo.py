@@ -1,4 +1,4 @@
-"""benchmarks.dpo runs end to end at its smallest (--quick: one warmup step and two timed steps per
+"""posttrain.benchmarks.dpo runs end to end at its smallest (--quick: one warmup step and two timed steps per
 side, one repetition) and prints the one JSON document it promises.
 
 Slow: a forkserver that imports torch, transformers, peft, trl and datasets, then four processes
@@ -24,8 +24,8 @@ pytest.importorskip("peft")
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from benchmarks.peer import SIDES  # noqa: E402
-from benchmarks.dpo import (EXTRA_SIDES, FIRST_LOSS_ATOL, GRAD_NORM_RTOL, QUICK, SECOND_LOSS_RTOL,  # noqa: E402
+from posttrain.benchmarks.peer import SIDES  # noqa: E402
+from posttrain.benchmarks.dpo import (EXTRA_SIDES, FIRST_LOSS_ATOL, GRAD_NORM_RTOL, QUICK, SECOND_LOSS_RTOL,  # noqa: E402
                             TARGETS, main, step_tokens, steps_of)
 
 pytestmark = pytest.mark.slow

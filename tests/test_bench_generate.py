@@ -1,4 +1,4 @@
-"""benchmarks.generate at its smallest (the debug preset, one greedy batch of 3, n = 2, 4 new tokens,
+"""posttrain.benchmarks.generate at its smallest (the debug preset, one greedy batch of 3, n = 2, 4 new tokens,
 two timed runs a side): the JSON it promises (with the floor of the model's own forwards), and
 greedy tokens equal on the three sides (the engine, the static sampler, transformers). The figures
 themselves are never compared. Each (case, side) is a process of its own (about 6 s here), so
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_generate_benchmark_reports_three_sides(tmp_path):
     out = tmp_path / "generate.json"
-    cmd = [sys.executable, "-m", "flows.cli", "bench", "generate", "--models", "debug", "--batches", "3",
+    cmd = [sys.executable, "-m", "posttrain.flows.cli", "bench", "generate", "--models", "debug", "--batches", "3",
            "--samples", "2", "--new-tokens", "4", "--reps", "2", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)

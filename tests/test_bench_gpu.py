@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.gpu import SECTIONS, main
+from posttrain.benchmarks.gpu import SECTIONS, main
 
 
 def test_without_cuda_it_fails_fast_and_says_why(capsys, monkeypatch):

@@ -1,4 +1,4 @@
-"""benchmarks.kernels runs end to end on CPU and prints the JSON document it promises.
+"""posttrain.benchmarks.kernels runs end to end on CPU and prints the JSON document it promises.
 
 It runs as a subprocess without TRITON_INTERPRET (the interpreter would take minutes), so every
 posttrain op takes its torch reference and says so in `path`. Wall-clock values are never
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.kernels import OPS
+from posttrain.benchmarks.kernels import OPS
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPL_STATUSES = {"ok", "missing", "unavailable", "skipped", "error"}
@@ -28,7 +28,7 @@ def doc(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "kernels.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"  # tiny shapes: threads only add contention on a shared machine
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--device", "cpu", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "posttrain.benchmarks.kernels", "--device", "cpu", "--quick", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout)  # stdout is exactly one JSON document

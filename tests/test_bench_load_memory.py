@@ -1,4 +1,4 @@
-"""benchmarks.load_memory runs end to end at its smallest (the `debug` preset, 2 ranks, both
+"""posttrain.benchmarks.load_memory runs end to end at its smallest (the `debug` preset, 2 ranks, both
 paths, a bf16 checkpoint into an fp32 model) and writes the JSON document it promises. The
 memory figures themselves depend on the machine and are never compared with fixed values; what
 must hold anywhere: every rank reports, peaks are at least the RSS before loading, and the new
@@ -20,13 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_load_memory_benchmark_reports_every_rank(tmp_path):
     out = tmp_path / "load_memory.json"
-    cmd = [sys.executable, "-m", "benchmarks.load_memory", "--models", "debug", "--nproc", "2", "--cases", "bfloat16:float32",
+    cmd = [sys.executable, "-m", "posttrain.benchmarks.load_memory", "--models", "debug", "--nproc", "2", "--cases", "bfloat16:float32",
            "--workdir", str(tmp_path / "work"), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(out.read_text())
-    assert doc["nproc"] == 2 and doc["command"].startswith("python -m benchmarks")
+    assert doc["nproc"] == 2 and doc["command"].startswith("python -m posttrain.benchmarks")
     entry = doc["models"]["debug"]["bfloat16:float32"]
     for path in ("old", "new"):
         ranks = entry[path]["ranks"]

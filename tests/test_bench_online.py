@@ -1,4 +1,4 @@
-"""benchmarks.online at its smallest (the debug preset, 4 prompts, 2 samples of 4 tokens): the JSON
+"""posttrain.benchmarks.online at its smallest (the debug preset, 4 prompts, 2 samples of 4 tokens): the JSON
 it promises, each side the real DPO stage with the steps asked, and the disaggregated side's pairs
 the colocated engine's token for token. The figures themselves are never compared."""
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_online_benchmark_reports_three_sides(tmp_path):
     out = tmp_path / "online.json"
-    cmd = [sys.executable, "-m", "flows.cli", "bench", "online", "--shapes", "debug", "--prompts", "4", "--samples",
+    cmd = [sys.executable, "-m", "posttrain.flows.cli", "bench", "online", "--shapes", "debug", "--prompts", "4", "--samples",
            "2", "--new-tokens", "4", "--threads", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)

@@ -1,11 +1,11 @@
-"""benchmarks.optimizers runs at its smallest and reports what it promises; AdamW's state is two
+"""posttrain.benchmarks.optimizers runs at its smallest and reports what it promises; AdamW's state is two
 fp32 moments per parameter on any machine, the others less (timings are never compared)."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks.optimizers import main
+from posttrain.benchmarks.optimizers import main
 
 
 def test_optimizer_benchmark_reports_state_per_parameter(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""benchmarks.precision runs at its smallest and reports what it promises (timings are never
+"""posttrain.benchmarks.precision runs at its smallest and reports what it promises (timings are never
 compared): each mode trains the same batches from the same weights, so the first losses agree to
 16-bit rounding, and fp8 says when it was emulated."""
 
@@ -8,7 +8,7 @@ import importlib.util
 import json
 import math
 
-from benchmarks.precision import main
+from posttrain.benchmarks.precision import main
 
 import pytest
 

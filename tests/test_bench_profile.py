@@ -1,4 +1,4 @@
-"""benchmarks.profile at its smallest: one profiled SFT step per side, summed by op category. What
+"""posttrain.benchmarks.profile at its smallest: one profiled SFT step per side, summed by op category. What
 must hold whatever the machine: the categories account for the step (every op's self time in one
 category, the rest `unaccounted`), the matrix products are where both sides spend time, the
 baseline pads at least the real tokens, and the ratios follow from the figures."""
@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from benchmarks.profile import category, main  # noqa: E402
+from posttrain.benchmarks.profile import category, main  # noqa: E402
 
 
 def test_categories():

@@ -1,4 +1,4 @@
-"""benchmarks.qat runs its whole pipeline at its smallest (real stage runs: SFT, SFT with QAT, PTQ
+"""posttrain.benchmarks.qat runs its whole pipeline at its smallest (real stage runs: SFT, SFT with QAT, PTQ
 of the float models, evaluation) and reports every model it promises (the numbers of so short a
 run mean nothing and are not compared)."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks.qat import main
+from posttrain.benchmarks.qat import main
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")]

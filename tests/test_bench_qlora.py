@@ -1,4 +1,4 @@
-"""benchmarks.qlora runs end to end at its smallest (--quick: one warmup step and one timed step per
+"""posttrain.benchmarks.qlora runs end to end at its smallest (--quick: one warmup step and one timed step per
 side, one repetition) and prints the one JSON document it promises: posttrain's QLoRA beside
 transformers + peft + bitsandbytes NF4 and beside dense peft LoRA, from the same exported weights
 and adapter.
@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-from benchmarks.qlora import LOSS_RTOL, QUICK, SIDES, TARGETS, main  # noqa: E402
+from posttrain.benchmarks.qlora import LOSS_RTOL, QUICK, SIDES, TARGETS, main  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

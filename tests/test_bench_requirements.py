@@ -49,7 +49,7 @@ def _run(tmp_path: Path, blocked: list[str], argv: list[str]) -> subprocess.Comp
 
 @pytest.mark.parametrize("blocked", [["peft"], ["transformers", "peft"]])
 def test_bench_sft_names_missing_package(tmp_path, blocked):
-    proc = _run(tmp_path, blocked, ["-m", "benchmarks.sft", "--quick"])
+    proc = _run(tmp_path, blocked, ["-m", "posttrain.benchmarks.sft", "--quick"])
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert proc.stdout == ""  # no JSON, no work
     err = proc.stderr
@@ -61,7 +61,7 @@ def test_bench_sft_names_missing_package(tmp_path, blocked):
 
 
 def test_cli_bench_sft_fails_fast(tmp_path):
-    proc = _run(tmp_path, ["peft"], ["-m", "flows.cli", "bench", "sft", "--quick"])
+    proc = _run(tmp_path, ["peft"], ["-m", "posttrain.flows.cli", "bench", "sft", "--quick"])
     assert proc.returncode != 0
     assert "not installed: peft" in proc.stderr and "pip install 'posttrain[bench]'" in proc.stderr, proc.stderr
     assert "[bench sft] rep" not in proc.stderr  # nothing was measured
@@ -75,21 +75,21 @@ def test_blocker_really_blocks(tmp_path):
 
 
 def test_bench_dpo_names_missing_trl(tmp_path):
-    proc = _run(tmp_path, ["trl"], ["-m", "benchmarks.dpo", "--quick"])
+    proc = _run(tmp_path, ["trl"], ["-m", "posttrain.benchmarks.dpo", "--quick"])
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr and "not installed: trl" in proc.stderr, proc.stderr
     assert "pip install 'posttrain[bench]'" in proc.stderr, proc.stderr
 
 
 def test_bench_distill_names_missing_trl(tmp_path):
-    proc = _run(tmp_path, ["trl"], ["-m", "benchmarks.distill", "--quick"])
+    proc = _run(tmp_path, ["trl"], ["-m", "posttrain.benchmarks.distill", "--quick"])
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr and "not installed: trl" in proc.stderr, proc.stderr
     assert "pip install 'posttrain[bench]'" in proc.stderr, proc.stderr
 
 
 def test_bench_qlora_names_missing_bitsandbytes(tmp_path):
-    proc = _run(tmp_path, ["bitsandbytes"], ["-m", "flows.cli", "bench", "qlora", "--quick"])
+    proc = _run(tmp_path, ["bitsandbytes"], ["-m", "posttrain.flows.cli", "bench", "qlora", "--quick"])
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr and "not installed: bitsandbytes" in proc.stderr, proc.stderr
     assert "pip install 'posttrain[bench]'" in proc.stderr, proc.stderr

@@ -1,4 +1,4 @@
-"""benchmarks.serve at its smallest (the debug preset, one replica, concurrency 1 and 2, 4 requests
+"""posttrain.benchmarks.serve at its smallest (the debug preset, one replica, concurrency 1 and 2, 4 requests
 of 4 tokens): the JSON it promises, every request answered on both sides, and the server's
 completion token counts equal to transformers' (greedy parity: the same work on both sides). The
 figures themselves are never compared."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.serve import parse_layout, percentile
+from posttrain.benchmarks.serve import parse_layout, percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def test_layouts_and_percentiles():
 @pytest.mark.slow
 def test_serve_benchmark_reports_both_sides(tmp_path):
     out = tmp_path / "serve.json"
-    cmd = [sys.executable, "-m", "flows.cli", "bench", "serve", "--models", "debug", "--layouts", "r1",
+    cmd = [sys.executable, "-m", "posttrain.flows.cli", "bench", "serve", "--models", "debug", "--layouts", "r1",
            "--concurrency", "1", "2", "--requests", "4", "--max-tokens", "4", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=600)

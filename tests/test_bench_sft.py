@@ -1,4 +1,4 @@
-"""benchmarks.sft runs end to end at its smallest (--quick --steps 1 --reps 1: one warmup step and
+"""posttrain.benchmarks.sft runs end to end at its smallest (--quick --steps 1 --reps 1: one warmup step and
 one timed step per side and shape) and prints the JSON document it promises.
 
 Slow: the benchmark forks every measurement from a forkserver that imports torch, transformers
@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from benchmarks.sft import LOSS_RTOL, QUICK, SHAPES, TARGETS, steps_of  # noqa: E402
+from posttrain.benchmarks.sft import LOSS_RTOL, QUICK, SHAPES, TARGETS, steps_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ TRAJECTORY_RTOL = 1e-5
 def doc(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "sft.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny shapes: threads only add contention
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.sft", "--quick", "--steps", "1", "--reps", "1",
+    proc = subprocess.run([sys.executable, "-m", "posttrain.benchmarks.sft", "--quick", "--steps", "1", "--reps", "1",
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout)  # stdout is exactly one JSON document

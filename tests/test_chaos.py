@@ -1,4 +1,4 @@
-"""Chaos: the demo pipeline (reduced) driven as a user drives it, `python -m flows.cli run CONFIG
+"""Chaos: the demo pipeline (reduced) driven as a user drives it, `python -m posttrain.flows.cli run CONFIG
 --set ...`, while a seeded RNG SIGKILLs, at chosen moments, a training rank, the torchrun
 launcher, or the flow process itself (while a stage runs, right after it wrote a checkpoint, or
 at any moment); after each kill the same command runs again, and the next kill lands in that
@@ -70,7 +70,7 @@ def chaos_config(workspace: Path) -> ChaosConfig:
     resume. No stage retries: every kill fails its attempt, and the rerun must recover."""
     import yaml
 
-    from flows.demo import DEMO_CONFIG
+    from posttrain.flows.demo import DEMO_CONFIG
 
     demo = yaml.safe_load(DEMO_CONFIG.read_text())
     nodes = demo["nodes"]
@@ -116,11 +116,11 @@ def _role(p: psutil.Process) -> tuple[str, str | None]:
     stage = None
     if "--config" in cmd and cmd.index("--config") + 1 < len(cmd):
         stage = Path(cmd[cmd.index("--config") + 1]).parent.name  # <run>/.launch/<stage>/spec.json
-    if "flows.cli" in cmd:
+    if "posttrain.flows.cli" in cmd:
         return "flow", None
-    if "stages.launch" in cmd and "torchrun" in cmd:
+    if "posttrain.stages.launch" in cmd and "torchrun" in cmd:
         return "launcher", stage
-    if any(c.startswith("stages.") for c in cmd) and stage:
+    if any(c.startswith("posttrain.stages.") for c in cmd) and stage:
         return "rank", stage
     if any("uvicorn" in c for c in cmd):
         return "server", None
@@ -189,7 +189,7 @@ def _env(prefect_home: Path) -> dict[str, str]:
 
 
 def _command(cc: ChaosConfig) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", "run", str(cc.config), *(f"--set={o}" for o in cc.overrides)]
+    return [sys.executable, "-m", "posttrain.flows.cli", "run", str(cc.config), *(f"--set={o}" for o in cc.overrides)]
 
 
 # ------------------------------------------------------------------------------ kills
@@ -230,7 +230,7 @@ def _ranks_up(token: str, stage: str) -> bool:
 
 
 def _latest(cc: ChaosConfig, stage: str) -> str | None:
-    """The stage's newest complete checkpoint (core.checkpoint's `latest`), None before its first."""
+    """The stage's newest complete checkpoint (posttrain.core.checkpoint's `latest`), None before its first."""
     try:
         return (cc.stage_dir(stage) / "checkpoints" / "latest").read_text().strip()
     except OSError:
@@ -332,7 +332,7 @@ def mlflow_facts(workspace: Path, model_name: str, dst: Path) -> dict:
 def _mlflow_facts(workspace: str, model_name: str, dst: str) -> dict:
     from mlflow import MlflowClient
 
-    from registry.mlflow_registry import fetch_registered
+    from posttrain.registry.mlflow_registry import fetch_registered
 
     uri = f"sqlite:///{Path(workspace) / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)

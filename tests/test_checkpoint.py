@@ -1,4 +1,4 @@
-"""core.checkpoint: exact resume, atomic saves under failure, verified loads, keep-last, async, DCP
+"""posttrain.core.checkpoint: exact resume, atomic saves under failure, verified loads, keep-last, async, DCP
 across processes (FSDP2 on gloo, resharded to one process)."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import core.checkpoint as ckpt
-import core.checkpoint.state as ckpt_state
-import core.checkpoint.writer as ckpt_writer
-from core.checkpoint import CheckpointError, CheckpointManager
-from core.manifest import file_sha256
-from core.model import build_model, get_preset
+import posttrain.core.checkpoint as ckpt
+import posttrain.core.checkpoint.state as ckpt_state
+import posttrain.core.checkpoint.writer as ckpt_writer
+from posttrain.core.checkpoint import CheckpointError, CheckpointManager
+from posttrain.core.manifest import file_sha256
+from posttrain.core.model import build_model, get_preset
 
 VOCAB = get_preset("debug").vocab_size
 
@@ -159,7 +159,7 @@ def test_failed_save_leaves_previous_intact(tmp_path, monkeypatch, caplog, where
         with pytest.raises(CheckpointError, match="No space left on device"):
             mgr.save(2, model, opt, sched)
     else:
-        with caplog.at_level(logging.WARNING, logger="core.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="posttrain.core.checkpoint"):
             assert mgr.save(2, model, opt, sched) is False
         assert "No space left on device" in caplog.text and mgr.save_failures == 1
 
@@ -205,7 +205,7 @@ def test_corrupt_checkpoint_falls_back_and_reports(tmp_path, caplog, kind):
     corrupt(_shard(tmp_path / "step-000002"))
 
     fresh, fopt, fsched = make(seed=3)
-    with caplog.at_level(logging.WARNING, logger="core.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="posttrain.core.checkpoint"):
         state = CheckpointManager(tmp_path).load_latest(fresh, fopt, fsched)
     assert state["step"] == 1 and state["tokens_seen"] == 10
     (skipped_step, why), = state["load_report"].skipped
@@ -338,7 +338,7 @@ def test_trainable_only(tmp_path):
 def test_trainable_only_leaves_out_the_nf4_base(tmp_path):
     """A QLoRA checkpoint holds the adapters, not the NF4 base (loaded again from the base
     model on resume): half a byte per base weight less in every checkpoint."""
-    from core.lora import apply_lora
+    from posttrain.core.lora import apply_lora
 
     model, _, _ = make()
     apply_lora(model, rank=4, alpha=8, targets="all-linear", quantize_base="nf4", double_quant=True)
@@ -395,7 +395,7 @@ def _two_rank_worker(rank: int, world: int, init_file: str, ckpt_dir: str) -> No
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from core.parallel import full_state_dict
+    from posttrain.core.parallel import full_state_dict
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

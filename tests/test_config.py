@@ -1,4 +1,4 @@
-"""core.config and flows.config: the demo config, loading, `--set nodes.<name>.<key>` overrides,
+"""posttrain.core.config and posttrain.flows.config: the demo config, loading, `--set nodes.<name>.<key>` overrides,
 error messages, output dirs, parallel layouts, schema and round trips. (The DAG's own validation,
 expansion and wiring rules: tests/test_dag.py.)"""
 
@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.config import ConfigError, dump_config, ensure_within, from_json_file, load_config, to_json_file
-from core.data.config import DataConfig
-from core.lora.config import LoRAConfig
-from core.parallel.config import ParallelConfig
-from flows.config import NODE_CLASSES, PipelineConfig
-from flows.dag import Edge, PipelineDAG, Upstream
+from posttrain.core.config import ConfigError, dump_config, ensure_within, from_json_file, load_config, to_json_file
+from posttrain.core.data.config import DataConfig
+from posttrain.core.lora.config import LoRAConfig
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.flows.config import NODE_CLASSES, PipelineConfig
+from posttrain.flows.dag import Edge, PipelineDAG, Upstream
 from tests.pipelines import DEMO_CONFIG
-from stages.config import KINDS, STAGE_CONFIGS, DistillConfig, DPOConfig, EvalConfig, SFTConfig
-from stages.launch.config import LauncherConfig
+from posttrain.stages.config import KINDS, STAGE_CONFIGS, DistillConfig, DPOConfig, EvalConfig, SFTConfig
+from posttrain.stages.launch.config import LauncherConfig
 
 SMALL = """
 name: small
@@ -55,8 +55,8 @@ def spec_of(cfg: PipelineConfig, name: str):
 def test_tracking_uri_from_the_environment_unless_set_and_always_absolute(tmp_path, monkeypatch):
     """`posttrain ui` says `export MLFLOW_TRACKING_URI=...`: that wins over the default; a config's
     own URI wins over both; a relative SQLite path becomes absolute where the config loads."""
-    from core.tracking import TrackingConfig
-    from flows.demo import DEMO_CONFIG as SHIPPED  # the shipped demo leaves the URI to the default
+    from posttrain.core.tracking import TrackingConfig
+    from posttrain.flows.demo import DEMO_CONFIG as SHIPPED  # the shipped demo leaves the URI to the default
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
@@ -300,7 +300,7 @@ def test_set_on_unknown_nested_path_errors_naming_the_path():
 
 
 def test_old_style_overrides_are_unknown_keys():
-    for item in ("stages.distill=false", "sft_student.max_steps=3", "dpo.beta=0.2"):
+    for item in ("posttrain.stages.distill=false", "sft_student.max_steps=3", "dpo.beta=0.2"):
         with pytest.raises(ConfigError, match=rf"--set {item}: unknown key '{item.split('.')[0]}'.*nodes"):
             demo(item)
 
@@ -525,7 +525,7 @@ def test_prefect_renders_and_validates_the_flow_parameter():
     from prefect.exceptions import ParameterTypeError
     from prefect.utilities.callables import parameter_schema
 
-    from flows.pipeline import post_training
+    from posttrain.flows.pipeline import post_training
 
     schema = parameter_schema(post_training.fn).model_dump()
     json.dumps(schema)
@@ -569,7 +569,7 @@ def test_eval_and_launcher_checks():
 # ------------------------------------------------------------------------------------ the CLI
 
 def test_config_command_prints_the_plan_json_and_conversions(tmp_path, capsys, monkeypatch):
-    from flows.cli import main
+    from posttrain.flows.cli import main
 
     monkeypatch.chdir(tmp_path)  # the demo's workspace (runs/) is relative: nothing is there yet
     assert main(["config", str(DEMO_CONFIG)]) == 0
@@ -607,7 +607,7 @@ def test_config_command_prints_the_plan_json_and_conversions(tmp_path, capsys, m
     ({"distill": {"model": True}}, r"^distill\.model: expected a mapping, got bool"),
 ])
 def test_converting_a_malformed_old_config_names_the_key(tmp_path, old, match):
-    from flows.convert import convert_file
+    from posttrain.flows.convert import convert_file
 
     path = write(tmp_path, yaml.safe_dump(old), "old.yaml")
     with pytest.raises(ConfigError, match=match) as e:

@@ -20,12 +20,12 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from core.config import ConfigError, _read, dump_config, from_json_file, load_config
-from core.parallel.config import ParallelConfig
-from flows.config import PipelineConfig
-from flows.dag import PipelineDAG, Upstream
+from posttrain.core.config import ConfigError, _read, dump_config, from_json_file, load_config
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.flows.config import PipelineConfig
+from posttrain.flows.dag import PipelineDAG, Upstream
 from tests.pipelines import DEMO_CONFIG
-from stages.config import STAGE_CONFIGS, SFTConfig
+from posttrain.stages.config import STAGE_CONFIGS, SFTConfig
 
 SETTINGS = settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 40)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DEFAULT = dump_config(load_config(PipelineConfig, DEMO_CONFIG))  # the demo, every default written out
@@ -151,7 +151,7 @@ def _set_in(doc: dict, path: tuple, value) -> None:
 
 
 def _round_trips(text: str, doc) -> bool:
-    from core.config import _Yaml12Loader
+    from posttrain.core.config import _Yaml12Loader
 
     try:
         back = yaml.load(text, Loader=_Yaml12Loader)
@@ -304,7 +304,7 @@ def test_impossible_parallel_layouts_are_refused_at_load(sizes, dp_shard, nproc,
         fits = False
     refused = None  # the key the stage's own check names
     if sizes["pp"] > 1:
-        if node in ("teacher", "distill", "dpo"):  # the training stages run pp: stages.config's checks in order
+        if node in ("teacher", "distill", "dpo"):  # the training stages run pp: posttrain.stages.config's checks in order
             cp, tp, data = sizes["cp"], sizes["tp"], DEFAULT["nodes"][node]["data"]
             sp = tp if tp > 1 else 1  # (sequence parallelism is on by default)
             if cp > 1 and data["max_seq_len"] % (2 * cp * sp):  # rows cut into 2 x cp (x tp) chunks
@@ -433,7 +433,7 @@ def old_document(draw):
 def test_converting_any_old_document(old):
     """`posttrain config --convert OLD.yaml`: a DAG-format document, or a ConfigError naming the
     file; the converted document loads as a config or a ConfigError (never a crash or a hang)."""
-    from flows.convert import convert_file
+    from posttrain.flows.convert import convert_file
 
     file = _write(json.dumps(old), ".json")
     try:
@@ -453,13 +453,13 @@ def test_converting_any_old_document(old):
 
 
 def test_impossible_layout_stops_the_cli_before_any_launch(monkeypatch, capsys):
-    import stages.launch
-    from flows.cli import main
+    import posttrain.stages.launch
+    from posttrain.flows.cli import main
 
     def no_launch(*a, **k):
         raise AssertionError("a process was launched")
 
-    monkeypatch.setattr(stages.launch, "launch_stage", no_launch)
+    monkeypatch.setattr(posttrain.stages.launch, "launch_stage", no_launch)
     assert main(["stage", "sft", "--set", "parallel.tp=3"]) == 2  # the default launcher: 2 ranks
     assert "config error: parallel: world size 2 is not divisible" in capsys.readouterr().err
     assert main(["config", "--set", "nodes.dpo.parallel.cp=4"]) == 2

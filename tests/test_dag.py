@@ -1,4 +1,4 @@
-"""flows.dag and the flow around it: the DAG a user writes is validated before anything launches
+"""posttrain.flows.dag and the flow around it: the DAG a user writes is validated before anything launches
 (one test per kind of error, each naming node and key path), sweeps and rounds expand, references
 resolve to upstream outputs, cache keys ignore layout-only settings, concurrent nodes get disjoint
 devices, a node's output dir is locked while it runs, and old-format configs convert."""
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.config import ConfigError, load_config
-from flows.config import PipelineConfig
-from flows.dag import PipelineDAG, Upstream
-from flows.pipeline import cache_key, node_inputs
-from flows.resources import DevicePool, needs
-from flows.workspace import WorkspaceBusy, node_lock
+from posttrain.core.config import ConfigError, load_config
+from posttrain.flows.config import PipelineConfig
+from posttrain.flows.dag import PipelineDAG, Upstream
+from posttrain.flows.pipeline import cache_key, node_inputs
+from posttrain.flows.resources import DevicePool, needs
+from posttrain.flows.workspace import WorkspaceBusy, node_lock
 
 BASE = {
     "prep": {"kind": "data_prep", "synthetic_size": 50},
@@ -164,9 +164,9 @@ def test_external_references_stay_paths_and_presets(tmp_path):
 
 def test_data_prep_runs_as_one_process_as_the_pool_books_it():
     """Data prep's rank 0 does all the work: its launch starts one process (the device pool books
-    one slot for it, flows.pipeline._devices), whatever the pipeline's launcher; a training node
+    one slot for it, posttrain.flows.pipeline._devices), whatever the pipeline's launcher; a training node
     keeps the launcher's ranks."""
-    from flows.pipeline import _devices
+    from posttrain.flows.pipeline import _devices
 
     cfg = cfg_of({"prep": {"kind": "data_prep", "synthetic_size": 10},
                   "s": {"kind": "sft", "model": "debug", "data": "prep"}}, launcher={"nproc_per_node": 4})
@@ -279,7 +279,7 @@ def test_a_node_dir_held_by_another_process_fails_clearly_or_waits(tmp_path):
 # ------------------------------------------------------------------------------ converter
 
 def test_old_configs_convert_to_the_same_chain(tmp_path):
-    from flows.convert import convert
+    from posttrain.flows.convert import convert
 
     old = {"name": "x", "stages": {"distill": False},
            "sft_student": {"max_steps": 3, "data": {"batch_tokens": 1024, "max_seq_len": 128}},

@@ -26,7 +26,7 @@ def prefect(tmp_path, monkeypatch):
 
 
 def config(tmp_path: Path, **top):
-    from flows.config import PipelineConfig
+    from posttrain.flows.config import PipelineConfig
 
     return PipelineConfig.model_validate({
         "name": "slots", "workspace": str(tmp_path / "runs"), "stage_retries": 0,
@@ -36,7 +36,7 @@ def config(tmp_path: Path, **top):
 
 
 def _hold(run_dir: str, ready, release) -> None:
-    from flows.workspace import node_lock
+    from posttrain.flows.workspace import node_lock
 
     with node_lock(Path(run_dir), "b", owner="someone-else"):
         ready.set()
@@ -44,7 +44,7 @@ def _hold(run_dir: str, ready, release) -> None:
 
 
 def test_independent_nodes_queue_for_slots_and_a_held_dir_fails_clearly(prefect):
-    from flows.pipeline import run_pipeline
+    from posttrain.flows.pipeline import run_pipeline
 
     result = run_pipeline(config(prefect, resources={"cpu_slots": 1}))
     assert result.ok and set(result.stages) == {"a", "b"}

@@ -1,4 +1,4 @@
-"""core.data: sources, row validation messages, label masks, truncation, packing held to the model
+"""posttrain.core.data: sources, row validation messages, label masks, truncation, packing held to the model
 (packed forward == separate forwards), preference batching, resumable sharded sampling, splits.
 
 Tolerances: packed vs separate forwards run the same fp32 ops with a different attention mask
@@ -14,13 +14,13 @@ import pytest
 import torch
 from data_fixtures import conv, data_config, make_tokenizer, sft_rows, write_jsonl, write_parquet
 
-from core import losses as L
-from core.data import (
+from posttrain.core import losses as L
+from posttrain.core.data import (
     BatchSampler, DataError, Document, assign_split, build_loader, collate_padded, collate_padding_free,
     collate_preference, content_hash, detect_format, load_data, load_documents, pack, sequence_sums,
     split_key, validate_row,
 )
-from core.model import build_model, get_preset
+from posttrain.core.model import build_model, get_preset
 
 IGN = -100
 F32 = dict(atol=1e-5, rtol=1e-5)
@@ -104,7 +104,7 @@ def load_rows(path: str, format: str = "auto", on_bad_row: str = "error"):
     """Validated, untokenized rows (what data prep's first pass sees): (task, rows, drops)."""
     import dataclasses
 
-    from core.data import DropStats, for_each_example
+    from posttrain.core.data import DropStats, for_each_example
 
     rows, stats = [], DropStats()
     task = for_each_example([path], format, on_bad_row, stats, lambda _, ex: rows.append(dataclasses.asdict(ex)))

@@ -1,4 +1,4 @@
-"""core.data.build_loader, the loader the training stages use: micro_batch_size counts sequences (packed
+"""posttrain.core.data.build_loader, the loader the training stages use: micro_batch_size counts sequences (packed
 rows with packing, documents without), batch_tokens replaces it, packing on and off (and padded rows)
 give different batch shapes but the same token-weighted loss, batches name their documents
 (doc_indices), evaluation sees every document once with lockstep padding across ranks, and the
@@ -10,10 +10,10 @@ import pytest
 import torch
 from data_fixtures import data_config, make_tokenizer, sft_rows, write_jsonl
 
-from core.data import Document, build_loader, load_data
-from core.model import build_model, get_preset
-from core.objectives import sft_objective
-from stages.common import Dist
+from posttrain.core.data import Document, build_loader, load_data
+from posttrain.core.model import build_model, get_preset
+from posttrain.core.objectives import sft_objective
+from posttrain.stages.common import Dist
 
 MAX_LEN = 64
 
@@ -116,7 +116,7 @@ def test_packed_loader_resumes_mid_epoch(docs):
 
 
 def test_stage_doc_loader_honours_the_data_config(docs):
-    from stages.training import doc_loader
+    from posttrain.stages.training import doc_loader
 
     cpu = Dist(0, 1, 0, torch.device("cpu"))
     loader = doc_loader(docs, cfg(packing=False, micro_batch_size=4), cpu, epochs=1)

@@ -1,4 +1,4 @@
-"""Data prep through core.data's one path: the labels the Encoder computes survive Parquet into what the
+"""Data prep through posttrain.core.data's one path: the labels the Encoder computes survive Parquet into what the
 stages train on, one split function and one set of split names, and every DataPrepConfig field
 (dedup, min/max tokens, on_bad_row, format, synthetic suite, tokenizer) still does its job."""
 
@@ -10,14 +10,14 @@ import pytest
 import torch
 from data_fixtures import conv, make_tokenizer, sft_rows, write_jsonl, write_parquet
 
-from core.data.config import DataConfig
-from core.tracking import TrackingConfig
-from stages.config import DataPrepConfig, DPOConfig
-from core.data import (DataError, Encoder, collate_preference, load_data, read_documents, read_pairs,
+from posttrain.core.data.config import DataConfig
+from posttrain.core.tracking import TrackingConfig
+from posttrain.stages.config import DataPrepConfig, DPOConfig
+from posttrain.core.data import (DataError, Encoder, collate_preference, load_data, read_documents, read_pairs,
                        read_rows, validate_row)
-from core.losses import IGNORE_INDEX
-from stages.common import Dist
-from stages.data_prep import prepare
+from posttrain.core.losses import IGNORE_INDEX
+from posttrain.stages.common import Dist
+from posttrain.stages.data_prep import prepare
 
 OFF = TrackingConfig(enabled=False)
 CPU = Dist(0, 1, 0, torch.device("cpu"))
@@ -43,8 +43,8 @@ def run_prep(tmp_path, sources, tok_dir, name="prep", **kw):
 
 
 def test_encoder_labels_survive_parquet_into_the_stages_batches(tmp_path, tok_dir):
-    from core.data import load_pairs
-    from stages.training import doc_loader, pair_loader, sft_documents
+    from posttrain.core.data import load_pairs
+    from posttrain.stages.training import doc_loader, pair_loader, sft_documents
 
     tok = make_tokenizer()
     srcs = [write_jsonl(tmp_path / "sft.jsonl", [SFT]), write_jsonl(tmp_path / "pref.jsonl", [PREF])]
@@ -79,7 +79,7 @@ def test_one_split_function_and_one_set_of_split_names(tmp_path, tok_dir):
         {"rows/sft_train", "rows/sft_validation", "rows/sft_test"}
     loaded = load_data(DataConfig(sources=[str(path)], val_fraction=0.3, test_fraction=0.2, max_seq_len=2048),
                        make_tokenizer())
-    for split in ("train", "validation", "test"):  # the same rows, documents and labels as core.data
+    for split in ("train", "validation", "test"):  # the same rows, documents and labels as posttrain.core.data
         assert read_documents(out, split) == loaded[split] and loaded[split]
     for other in ("dev", "val"):  # one spelling: "validation"
         with pytest.raises(ValueError, match=f"unknown split '{other}'"):
@@ -137,7 +137,7 @@ def test_reader_refuses_parquet_without_labels(tmp_path):
 
 
 def test_raw_sources_are_read_by_the_same_api(tmp_path):
-    from core.data import load_documents, load_pairs
+    from posttrain.core.data import load_documents, load_pairs
 
     tok, cfg = make_tokenizer(), DataConfig(val_fraction=0.0, max_seq_len=2048)
     pref = write_jsonl(tmp_path / "pref.jsonl", [PREF])
@@ -151,7 +151,7 @@ def test_raw_sources_are_read_by_the_same_api(tmp_path):
 
 def test_the_stages_data_settings_apply_to_prepared_data(tmp_path, tok_dir):
     """data.mask_prompt, truncation and max_seq_len act on data prep's output as on raw rows (the
-    stage reads stored tokens: the same Encoder rules, core.data.encode.truncate); chat_template,
+    stage reads stored tokens: the same Encoder rules, posttrain.core.data.encode.truncate); chat_template,
     which would need re-rendering, is refused with the setting to use instead."""
     tok = make_tokenizer()
     long = conv("the model " * 30, "four")
@@ -173,7 +173,7 @@ def test_the_stages_data_settings_apply_to_prepared_data(tmp_path, tok_dir):
     unmasked = read_documents(out, "train", DataConfig(mask_prompt=False))
     assert all(d.labels == d.input_ids for d in unmasked) and stored[0].labels != stored[0].input_ids
     with pytest.raises(DataError, match="data.chat_template.*set data_prep.chat_template"):
-        from core.data import load_documents
+        from posttrain.core.data import load_documents
 
         load_documents(out, "train", tok, DataConfig(chat_template="{{ messages }}"))
 
@@ -192,7 +192,7 @@ def test_prepared_pairs_are_fitted_to_the_stages_max_seq_len(tmp_path, tok_dir):
 
 
 def test_data_prep_chat_template_renders_the_rows_and_travels_with_the_tokenizer(tmp_path, tok_dir):
-    from registry.tokenizer import Tokenizer
+    from posttrain.registry.tokenizer import Tokenizer
 
     template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ': ' + m['content'] + '<|im_end|>' }}"
                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant: ' }}{% endif %}")
@@ -209,12 +209,12 @@ def test_data_prep_chat_template_renders_the_rows_and_travels_with_the_tokenizer
 
 def test_data_prep_keeps_a_user_rows_extra_columns_for_rewards_and_evaluation(tmp_path):
     """A user's reference answer (and other scalar columns) survive data prep, so on-policy rewards
-    and evaluation can read them from its output as from the raw file (core.data.rows)."""
+    and evaluation can read them from its output as from the raw file (posttrain.core.data.rows)."""
     import json
 
-    from core.data.rows import prompt_rows
-    from stages.config import DataPrepConfig
-    from stages.data_prep import prepare
+    from posttrain.core.data.rows import prompt_rows
+    from posttrain.stages.config import DataPrepConfig
+    from posttrain.stages.data_prep import prepare
 
     f = tmp_path / "a.jsonl"
     f.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},

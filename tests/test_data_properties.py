@@ -1,4 +1,4 @@
-"""Property tests for core.data: whatever a JSONL file holds (random JSON values, near-valid rows with
+"""Property tests for posttrain.core.data: whatever a JSONL file holds (random JSON values, near-valid rows with
 wrong types and roles, huge strings, unicode edge cases, invalid bytes, empty files), loading ends
 in data, a counted skip, or a DataError naming the file, a real line and the field; never any other
 exception. Plus packing and sampling invariants over random lengths."""
@@ -14,7 +14,7 @@ from data_fixtures import data_config, make_tokenizer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from core.data import REASONS, BatchSampler, DataError, load_data, pack
+from posttrain.core.data import REASONS, BatchSampler, DataError, load_data, pack
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOK = make_tokenizer()

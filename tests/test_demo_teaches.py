@@ -24,11 +24,11 @@ def test_every_stage_moves_exact_match(tmp_path, monkeypatch):
     from prefect.settings import (PREFECT_SERVER_ANALYTICS_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
                                   temporary_settings)
 
-    from core.config import load_config
-    from flows.config import PipelineConfig
-    from flows.demo import DEMO_CONFIG
-    from flows.pipeline import run_pipeline
-    from flows.report import eval_results
+    from posttrain.core.config import load_config
+    from posttrain.flows.config import PipelineConfig
+    from posttrain.flows.demo import DEMO_CONFIG
+    from posttrain.flows.pipeline import run_pipeline
+    from posttrain.flows.report import eval_results
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(PipelineConfig, DEMO_CONFIG, [f"workspace={tmp_path / 'runs'}",

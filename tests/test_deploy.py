@@ -27,7 +27,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def prefect_api(tmp_path_factory):
-    from flows.ui import _wait_http
+    from posttrain.flows.ui import _wait_http
 
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
@@ -54,7 +54,7 @@ def test_deployment_triggered_from_the_api(prefect_api, tmp_path):
     cfg_file = tmp_path / "pipeline.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg))
     env = {**env, "PREFECT_API_URL": url}
-    serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(cfg_file)], env=env,
+    serve = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "serve", str(cfg_file)], env=env,
                              cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         from prefect.client.orchestration import get_client
@@ -92,10 +92,10 @@ def test_deployment_triggered_from_the_api(prefect_api, tmp_path):
 
 
 def test_schedule_timezone_is_a_setting_defaulting_to_the_machines(monkeypatch):
-    from core.config import ConfigError
-    from flows.deploy import build_deployments, machine_timezone
-    from core.config import load_config
-    from flows.config import PipelineConfig
+    from posttrain.core.config import ConfigError
+    from posttrain.flows.deploy import build_deployments, machine_timezone
+    from posttrain.core.config import load_config
+    from posttrain.flows.config import PipelineConfig
     from tests.pipelines import DEMO_CONFIG
 
     def demo_config(sets=()):

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.generation.engine import engine_generate
-from core.generation.remote import Disaggregated, GeneratorError, Request, WorkerSpec
-from core.lora import LoRAConfig, apply_lora
-from core.model import build_model, get_preset
-from core.model.generate import SamplingParams
-from stages.config import GenerationConfig, GRPOConfig
+from posttrain.core.generation.engine import engine_generate
+from posttrain.core.generation.remote import Disaggregated, GeneratorError, Request, WorkerSpec
+from posttrain.core.lora import LoRAConfig, apply_lora
+from posttrain.core.model import build_model, get_preset
+from posttrain.core.model.generate import SamplingParams
+from posttrain.stages.config import GenerationConfig, GRPOConfig
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
 PARAMS = dict(max_new_tokens=6, temperature=1.0, seed=5)
@@ -161,8 +161,8 @@ def test_generation_config_errors_name_the_key():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from stages.config import DataPrepConfig
-    from stages.data_prep import prepare
+    from posttrain.stages.config import DataPrepConfig
+    from posttrain.stages.data_prep import prepare
     from tests.test_grpo import OFF
 
     root = tmp_path_factory.mktemp("disaggregated")
@@ -178,7 +178,7 @@ def run(data: Path, name: str, **kw) -> tuple[dict[int, dict], list[dict]]:
     from tests.test_grpo import grpo_config
     from tests.test_stage_parallel import MODULES, in_process
 
-    MODULES[GRPOConfig] = "stages.grpo"
+    MODULES[GRPOConfig] = "posttrain.stages.grpo"
     records = in_process(grpo_config(data, name, **{**KW, **kw}))
     rollouts = [json.loads(x) for x in (data / name / "grpo" / "rollouts.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in records if "grad_norm" in r}, rollouts
@@ -207,7 +207,7 @@ def test_prefetched_rounds_are_one_round_old_and_survive_a_killed_worker(data):
     1 while round 0 trains, with its weights; so round 0 is the on-policy run's and round 1's
     advantages are half its rewards' z-scores. A worker SIGKILLed while it samples round 1 (by the
     verifier, as round 0 is scored) is restarted: the run is the unkilled one's."""
-    from core.grpo import group_advantages
+    from posttrain.core.grpo import group_advantages
 
     gen = {**DIS, "prefetch": 1, "max_staleness": 0, "stale": "reweight", "stale_decay": 0.5}
     _, on_policy = run(data, "on-policy", generation=DIS)
@@ -283,7 +283,7 @@ def test_on_policy_dpo_and_gkd_disaggregated_reproduce_colocated_engine_sampling
 
 
 def test_generation_settings_that_would_do_nothing_are_refused():
-    from stages.config import DistillConfig, DPOConfig
+    from posttrain.stages.config import DistillConfig, DPOConfig
 
     with pytest.raises(ValueError, match=r"samples nothing \(pairs: offline\)"):
         DPOConfig(generation=DIS)

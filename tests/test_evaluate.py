@@ -1,7 +1,7 @@
 """The evaluation stage on the user's own rows, every metric against a value computed here by hand.
 
 Three tiny random models (HF format, the debug preset, built locally) share the test BPE tokenizer.
-Their greedy generations are computed here with core.model.generate on the same prompts, and the
+Their greedy generations are computed here with posttrain.core.model.generate on the same prompts, and the
 data's reference answers are written from them, so each exact match, normalized match and win rate
 is known by construction. Log-probabilities (perplexity, preference accuracy, the judge) are
 recomputed with a plain full-logits forward of each sequence alone; sampled generations (pass@k) are
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.tracking import TrackingConfig, clean_key
+from posttrain.core.tracking import TrackingConfig, clean_key
 from data_fixtures import make_tokenizer, write_jsonl, write_parquet
-from stages.config import EvalConfig
+from posttrain.stages.config import EvalConfig
 
 OFF = TrackingConfig(enabled=False)
 NEW = 6  # max_new_tokens
@@ -48,8 +48,8 @@ PAIRS = [  # (prompt, chosen, rejected, task)
 
 @functools.lru_cache(maxsize=8)
 def load(path: Path):
-    from registry.hf import load_pretrained
-    from registry.tokenizer import Tokenizer
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.registry.tokenizer import Tokenizer
 
     return load_pretrained(path).eval(), Tokenizer.from_pretrained(path)
 
@@ -59,7 +59,7 @@ def prompt_ids(tok, prompt) -> list[int]:
 
 
 def generations(path: Path, prompts: list, temperature: float = 0.0, seed: int | None = None) -> list[str]:
-    from core.model.generate import SamplingParams, generate
+    from posttrain.core.model.generate import SamplingParams, generate
 
     model, tok = load(path)
     params = SamplingParams(max_new_tokens=NEW, temperature=temperature, stop_token_ids=tuple(sorted(tok.eos_ids)),
@@ -92,8 +92,8 @@ def ws(text: str) -> str:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """Three random debug-preset models (peaky init, so greedy choices are clear) saved in HF format."""
-    from core.model import build_model, get_preset
-    from registry.hf import save_pretrained
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.hf import save_pretrained
 
     root = tmp_path_factory.mktemp("evaluate")
     tok = make_tokenizer()
@@ -122,7 +122,7 @@ def user_data(tiny):
 @pytest.fixture(scope="module")
 def side_by_side(tiny, user_data):
     """alpha and beta on the user's JSONL, metrics=None, selected by exact match, tracked in MLflow."""
-    from stages.evaluate import run
+    from posttrain.stages.evaluate import run
 
     tracking = TrackingConfig(tracking_uri=f"sqlite:///{tiny}/mlflow.db", experiment="eval-test")
     cfg = EvalConfig(output_dir=str(tiny / "side"), models=[f"{tiny / 'alpha'}/", str(tiny / "beta")],
@@ -236,9 +236,9 @@ def test_one_mlflow_run_per_model_under_the_stage_run(side_by_side):
 
 
 def test_reward_and_pass_at_k_from_sampled_generations(tiny):
-    from core.manifest import digest
+    from posttrain.core.manifest import digest
     from eval_verifiers import reward
-    from stages.evaluate import run
+    from posttrain.stages.evaluate import run
 
     rows = [{"prompt": p, "bonus": int(i == 2), "task": t} for i, (p, _, t) in enumerate(PROMPTS[:4])]
     src = write_jsonl(tiny / "prompts.jsonl", rows)
@@ -269,9 +269,9 @@ def test_reward_and_pass_at_k_from_sampled_generations(tiny):
 
 def test_the_engine_sampler_gives_the_static_greedy_results_and_samples_with_shared_prompts(
         tiny, user_data, side_by_side):
-    """sampler: engine (core.generation): greedy, every metric and sample equal to the static
+    """sampler: engine (posttrain.core.generation): greedy, every metric and sample equal to the static
     sampler's; sampled (n = 4 a prompt in one call), seeded per sample, so a rerun repeats it."""
-    from stages.evaluate import run
+    from posttrain.stages.evaluate import run
 
     cfg, static = side_by_side
     got = run(cfg.model_copy(update={"output_dir": str(tiny / "side-engine"), "sampler": "engine",
@@ -296,7 +296,7 @@ def test_the_engine_sampler_gives_the_static_greedy_results_and_samples_with_sha
 
 
 def test_win_rate_by_judge_likelihood(tiny, user_data):
-    from stages.evaluate import run
+    from posttrain.stages.evaluate import run
 
     cfg = EvalConfig(output_dir=str(tiny / "judged"), models=[str(tiny / "alpha"), str(tiny / "beta")],
                      data=[str(user_data["file"])], judge=str(tiny / "judge"), metrics=["win_rate"],
@@ -320,7 +320,7 @@ def test_win_rate_by_judge_likelihood(tiny, user_data):
 
 
 def test_parquet_files_are_read_as_the_users_rows(tiny):
-    from stages.evaluate import run
+    from posttrain.stages.evaluate import run
 
     chat = [(p, c, t) for p, c, t in PROMPTS if not isinstance(p, str)]
     comp = write_parquet(tiny / "comp.parquet", [{"prompt": p, "completion": c, "task": t} for p, c, t in chat])
@@ -341,12 +341,12 @@ def test_parquet_files_are_read_as_the_users_rows(tiny):
 
 @pytest.fixture
 def no_model_loads(monkeypatch):
-    import stages.evaluate
+    import posttrain.stages.evaluate
 
     def refuse(*a, **kw):
         raise AssertionError("a model was loaded before the inputs were checked")
 
-    monkeypatch.setattr(stages.evaluate, "load_model", refuse)
+    monkeypatch.setattr(posttrain.stages.evaluate, "load_model", refuse)
 
 
 @pytest.mark.parametrize("rows,kw,expected", [
@@ -361,8 +361,8 @@ def no_model_loads(monkeypatch):
      ["select.metric", r"exact_match/task=add"]),
 ])
 def test_bad_data_is_a_clear_error_before_any_model_loads(tiny, tmp_path, no_model_loads, rows, kw, expected):
-    from stages.common import StageError
-    from stages.evaluate import run
+    from posttrain.stages.common import StageError
+    from posttrain.stages.evaluate import run
 
     src = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(StageError) as err:
@@ -374,7 +374,7 @@ def test_bad_data_is_a_clear_error_before_any_model_loads(tiny, tmp_path, no_mod
 
 
 def test_bad_rows_can_be_skipped_and_counted(tiny, tmp_path):
-    from stages.evaluate import run
+    from posttrain.stages.evaluate import run
 
     src = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "hi", "answer": "1"}, '{"prompt": ', {"prompt": "ho",
                                                                                                  "answer": "2"}])
@@ -384,8 +384,8 @@ def test_bad_rows_can_be_skipped_and_counted(tiny, tmp_path):
 
 
 def test_a_missing_model_is_named_before_any_model_loads(tiny, user_data, tmp_path, no_model_loads):
-    from stages.common import StageError
-    from stages.evaluate import run
+    from posttrain.stages.common import StageError
+    from posttrain.stages.evaluate import run
 
     with pytest.raises(StageError, match="no_such_dir"):
         run(EvalConfig(output_dir=str(tmp_path), models=[str(tiny / "alpha"), str(tmp_path / "no_such_dir")],
@@ -393,8 +393,8 @@ def test_a_missing_model_is_named_before_any_model_loads(tiny, user_data, tmp_pa
 
 
 def test_a_verifier_failing_mid_run_is_a_stage_error(tiny, user_data, tmp_path):
-    from stages.common import StageError
-    from stages.evaluate import run
+    from posttrain.stages.common import StageError
+    from posttrain.stages.evaluate import run
 
     with pytest.raises(StageError, match=r"eval\.jsonl line 1: verifier .*not a number"):
         run(EvalConfig(output_dir=str(tmp_path), models=[str(tiny / "alpha")], data=[str(user_data["file"])],
@@ -424,7 +424,7 @@ def test_metric_combinations_are_refused_when_the_config_loads(kw, match):
 
 
 def test_pass_at_k_on_known_counts():
-    from stages.evaluation.metrics import GenRecord, generation_metrics
+    from posttrain.stages.evaluation.metrics import GenRecord, generation_metrics
 
     recs = [GenRecord(["x"] * 5, primary=[1.0] * c + [0.0] * (5 - c)) for c in (0, 2, 5)]
     m = generation_metrics(recs, ["pass@k"], [1, 2, 5])
@@ -436,7 +436,7 @@ def test_pass_at_k_on_known_counts():
 
 
 def test_win_rates_by_verifier_scores_with_ties_and_groups():
-    from stages.evaluation.metrics import GenRecord, with_win_rates
+    from posttrain.stages.evaluation.metrics import GenRecord, with_win_rates
 
     def recs(*scores):
         return [GenRecord(["x"] * len(s), primary=list(s)) for s in scores]
@@ -453,8 +453,8 @@ def test_win_rates_by_verifier_scores_with_ties_and_groups():
 
 
 def test_selection_and_names():
-    from stages.evaluation.metrics import select_model
-    from stages.evaluation.plan import model_names
+    from posttrain.stages.evaluation.metrics import select_model
+    from posttrain.stages.evaluation.plan import model_names
 
     assert model_names(["runs/sft", "runs/dpo/", "other/sft", "debug", "x/sft-2"]) == \
         ["sft", "dpo", "sft-2", "debug", "sft-2-2"]
@@ -482,10 +482,10 @@ def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path
     samples, the same metrics (log-probs to float rounding). Sharded (FSDP, EP), every forward is
     collective: a rank out of batches runs filler forwards, and decoding goes on until both ranks'
     rows are done."""
-    from stages.evaluate import run
-    from stages.evaluation.plan import model_names
-    from stages.launch import Launch
-    from stages.launch.config import LauncherConfig
+    from posttrain.stages.evaluate import run
+    from posttrain.stages.evaluation.plan import model_names
+    from posttrain.stages.launch import Launch
+    from posttrain.stages.launch.config import LauncherConfig
 
     common = dict(models=[str(tiny / m) for m in models], data=[str(user_data["file"])], batch_size=2,
                   temperature=1.0, num_samples=2, pass_k=[1, 2], max_new_tokens=NEW, tracking=OFF)

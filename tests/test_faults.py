@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 import fault_stage
-from core.reliability import EXIT_HUNG, EXIT_PREEMPTED
+from posttrain.core.reliability import EXIT_HUNG, EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(Path(fault_stage.__file__).resolve())
@@ -36,14 +36,14 @@ def _free_port() -> int:
 def _env(**faults: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FAULT_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
     env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # as stages.launch sets it when restarts are on
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # as posttrain.stages.launch sets it when restarts are on
                **faults)
     return env
 
 
 def torchrun(out: Path, *args: str, max_restarts: int = 0, timeout: float = 300, **faults: str):
     """The product's torchrun wrapper (exits with the first failing rank's code) on 2 CPU ranks."""
-    cmd = [sys.executable, "-m", "stages.launch", "torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+    cmd = [sys.executable, "-m", "posttrain.stages.launch", "torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
            f"--max-restarts={max_restarts}", SCRIPT, "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(**faults), capture_output=True, text=True, timeout=timeout)
     return proc, time.time()
@@ -126,8 +126,8 @@ def test_hung_rank_is_detected_dumped_and_ended(tmp_path):
 def _collective_timeout_rank(rank: int, port: int, out) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from core.reliability import all_reduce
-    from stages.common import start_distributed
+    from posttrain.core.reliability import all_reduce
+    from posttrain.stages.common import start_distributed
 
     start_distributed(timeout_s=3.0)
     if rank == 1:
@@ -203,8 +203,8 @@ def test_fit_with_mlflow_down_finishes_and_delivers_later(tmp_path, monkeypatch)
     a Prefect outage cannot reach a running stage.)"""
     from mlflow import MlflowClient
 
-    from core.tracking import TrackingConfig
-    from core.tracking import Tracker
+    from posttrain.core.tracking import TrackingConfig
+    from posttrain.core.tracking import Tracker
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
@@ -212,9 +212,9 @@ def test_fit_with_mlflow_down_finishes_and_delivers_later(tmp_path, monkeypatch)
         monkeypatch.delenv(var, raising=False)
     down = TrackingConfig(tracking_uri=f"http://127.0.0.1:{_free_port()}", experiment="dead")  # nothing listens
     tracker = Tracker(down, "sft", connect_timeout_s=30)
-    from core.checkpoint import CheckpointManager
-    from core.loop import fit
-    from core.reliability import Reliability
+    from posttrain.core.checkpoint import CheckpointManager
+    from posttrain.core.loop import fit
+    from posttrain.core.reliability import Reliability
 
     threads = torch.get_num_threads()
     try:

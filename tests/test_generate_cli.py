@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from registry.byte_tokenizer import MIN_VOCAB, byte_tokenizer
-from flows.cli import main
+from posttrain.registry.byte_tokenizer import MIN_VOCAB, byte_tokenizer
+from posttrain.flows.cli import main
 
 LINE = re.compile(r"^(?P<prompt>'.*') -> (?P<text>'.*'|\".*\") \((?P<reason>stop|length)\)$")
 
@@ -37,8 +37,8 @@ def test_generate_preset_with_explicit_tokenizer(tmp_path, capsys):
 
 
 def test_generate_checkpoint_without_tokenizer_says_pass_tokenizer(tmp_path, capsys):
-    from core.model import build_model, get_preset
-    from registry.hf import save_pretrained
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.hf import save_pretrained
 
     save_pretrained(build_model(get_preset("debug")), tmp_path / "ckpt")
     assert main(["generate", str(tmp_path / "ckpt"), "hi"]) == 2

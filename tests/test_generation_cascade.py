@@ -1,4 +1,4 @@
-"""Cascade attention (core.generation.cascade) and the two-level inverse CDF of the engine's
+"""Cascade attention (posttrain.core.generation.cascade) and the two-level inverse CDF of the engine's
 sampler, each against a direct fp32 computation; and the engine taking the cascade for the
 samples of a prompt."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.generation import Engine, RequestParams
-from core.generation.cascade import cascade_attention, plan_shared_prefix
-from core.generation.sampling import inverse_cdf
-from core.model.args import ModelArgs
-from core.model.generate import SamplingParams, generate
-from core.model.model import build_model
+from posttrain.core.generation import Engine, RequestParams
+from posttrain.core.generation.cascade import cascade_attention, plan_shared_prefix
+from posttrain.core.generation.sampling import inverse_cdf
+from posttrain.core.model.args import ModelArgs
+from posttrain.core.model.generate import SamplingParams, generate
+from posttrain.core.model.model import build_model
 
 
 def _forked_tables(prompt_lens, samples, own_tokens, block_size, first_block=1):
@@ -109,9 +109,9 @@ def test_plan_shares_whole_blocks_before_every_newest_token_only():
 
 def test_engine_samples_of_a_prompt_take_the_cascade(monkeypatch):
     """n greedy samples of prompts longer than a few blocks: the decode steps run the cascade,
-    and every sample equals core.model.generate's greedy tokens (Llama and a sliding-window
+    and every sample equals posttrain.core.model.generate's greedy tokens (Llama and a sliding-window
     model)."""
-    import core.generation.runner as runner
+    import posttrain.core.generation.runner as runner
 
     calls = []
 

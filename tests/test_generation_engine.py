@@ -1,4 +1,4 @@
-"""The generation engine (core.generation): paged KV cache, continuous batching, sampling.
+"""The generation engine (posttrain.core.generation): paged KV cache, continuous batching, sampling.
 
 Tiny models from the project's own ModelArgs (and tiny transformers checkpoints for the HF
 references); every greedy comparison is exact token equality."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.generation import Engine, RequestParams
-from core.generation.paged import BlockManager, BlockTable, OutOfBlocks
-from core.model.args import ModelArgs, MoEArgs
-from core.model.generate import SamplingParams, generate
-from core.model.model import build_model
+from posttrain.core.generation import Engine, RequestParams
+from posttrain.core.generation.paged import BlockManager, BlockTable, OutOfBlocks
+from posttrain.core.model.args import ModelArgs, MoEArgs
+from posttrain.core.model.generate import SamplingParams, generate
+from posttrain.core.model.model import build_model
 
 BASE = dict(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
             initializer_range=0.2)  # a large init: peaked logits, so greedy ties are unlikely
@@ -81,7 +81,7 @@ def test_chunked_prefill_and_staggered_arrivals(model, budget):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen2_moe"])
 def test_greedy_matches_transformers(family, tmp_path):
-    from registry.hf import load_pretrained
+    from posttrain.registry.hf import load_pretrained
     from tests.hf_models import make_hf_model
 
     hf = make_hf_model(family, tmp_path)
@@ -218,7 +218,7 @@ def test_logprobs_match_a_full_forward(llama):
 def test_decoding_sequences_of_short_and_long_contexts_attend_in_two_groups(model):
     """Twelve prompts of 2 to 60 tokens decode in two attention groups (short and long contexts
     apart, each padded to its own longest), and give core.generate's greedy tokens."""
-    from core.generation.runner import _split_by_context
+    from posttrain.core.generation.runner import _split_by_context
 
     lengths = [2, 60, 3, 55, 4, 58, 2, 5, 61, 3, 57, 6]
     groups = _split_by_context(list(range(12)), [n + 1 for n in lengths], 4)
@@ -234,7 +234,7 @@ def test_decoding_sequences_of_short_and_long_contexts_attend_in_two_groups(mode
 def test_inverse_cdf_draws_kept_tokens_only():
     """The token where the cumulative probability passes u * total; never a filtered-out (zero)
     token, also when u * total reaches the total (u = 1 here), where the last kept token is drawn."""
-    from core.generation.sampling import inverse_cdf
+    from posttrain.core.generation.sampling import inverse_cdf
 
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
     assert inverse_cdf(probs, torch.tensor([0.0, 0.0, 0.0])).tolist() == [1, 0, 2]
@@ -246,7 +246,7 @@ def test_inverse_cdf_draws_kept_tokens_only():
 def test_paged_gather_reads_each_sequences_blocks():
     """PagedKVCache.gather: row s holds sequence s's tokens in its blocks' order (any block ids,
     repeated ones too: forked samples share their prompt's blocks)."""
-    from core.generation.paged import PagedKVCache
+    from posttrain.core.generation.paged import PagedKVCache
 
     cache = PagedKVCache(num_layers=2, num_blocks=5, kv_heads=2, block_size=3, head_dim=4, device="cpu",
                          dtype=torch.float32)
@@ -290,7 +290,7 @@ def test_block_manager_refcounts_and_cow():
 
 def test_lora_model_in_training_mode():
     """LoRA-wrapped projections run through the engine as modules (dropout off: eval while it runs)."""
-    from core.lora import apply_lora
+    from posttrain.core.lora import apply_lora
 
     model = build_model(CONFIGS["qwen2"], seed=1)
     apply_lora(model, targets="all-linear", rank=4, dropout=0.5)
@@ -318,8 +318,8 @@ def test_cpu_decode_keeps_gather_and_sdpa(llama, monkeypatch):
     """Off CUDA (no TRITON_INTERPRET) the decode groups never reach the paged decode kernel's
     entry point: CPU production runs gather + SDPA as before. The kernel path itself is tested
     under the interpreter in tests/kernels/test_paged_attention.py."""
-    import core.generation.runner as runner
-    from kernels.dispatch import interpreting
+    import posttrain.core.generation.runner as runner
+    from posttrain.kernels.dispatch import interpreting
 
     if interpreting():
         pytest.skip("under TRITON_INTERPRET=1 the CPU decode groups take the kernel")
@@ -381,9 +381,9 @@ def test_engine_generate_keeps_generates_contract():
     """engine_generate: n samples a prompt in prompt-major order, greedy equal to generate() on
     the prompts repeated, seeded samples reproducible, finish reasons and log-probs filled; a
     model split by tensor parallelism is refused (its layers are not whole here)."""
-    from core.generation.engine import engine_generate
-    from core.model import build_model, get_preset
-    from core.model.generate import SamplingParams, generate
+    from posttrain.core.generation.engine import engine_generate
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.core.model.generate import SamplingParams, generate
 
     model = build_model(get_preset("debug"), seed=0).eval()
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
@@ -407,12 +407,12 @@ def test_engine_generate_keeps_generates_contract():
 def _engine_under_tp() -> dict:
     import torch.distributed as dist
 
-    from core.generation.engine import engine_generate
-    from core.model import build_model, get_preset
-    from core.model.generate import SamplingParams
-    from core.parallel.config import ParallelConfig
-    from core.parallel.mesh import ParallelDims, ParallelMesh
-    from core.parallel.plans import apply_plan, transformer_tp_plan
+    from posttrain.core.generation.engine import engine_generate
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.core.model.generate import SamplingParams
+    from posttrain.core.parallel.config import ParallelConfig
+    from posttrain.core.parallel.mesh import ParallelDims, ParallelMesh
+    from posttrain.core.parallel.plans import apply_plan, transformer_tp_plan
 
     dist.init_process_group("gloo")
     args = get_preset("debug")
@@ -429,9 +429,9 @@ def _engine_under_tp() -> dict:
 def test_the_engine_runs_a_tensor_parallel_model():
     """2 gloo ranks, the debug model split by the TP plan (no sequence parallelism): greedy tokens
     equal one process's, seeded samples equal on both ranks (the gathered logits are the same)."""
-    from core.generation.engine import engine_generate
-    from core.model import build_model, get_preset
-    from core.model.generate import SamplingParams
+    from posttrain.core.generation.engine import engine_generate
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.core.model.generate import SamplingParams
     from tests.parallel._dist import run_ranks
 
     a, b = run_ranks(_engine_under_tp, 2)
@@ -445,12 +445,12 @@ def test_the_engine_runs_a_tensor_parallel_model():
 def test_requests_for_different_adapters_share_a_batch():
     """Several LoRA adapters on one base: each request names its own (or none: the base), they
     run in the same steps, each token routed to its request's adapter; every output equals
-    core.model.generate with that adapter alone active (or all disabled). The prefix cache keeps
+    posttrain.core.model.generate with that adapter alone active (or all disabled). The prefix cache keeps
     the adapters apart (the same prompt through another adapter is computed again)."""
-    from core.generation import Engine, RequestParams
-    from core.lora import apply_lora, disable_adapter, set_adapter
-    from core.model import build_model, get_preset
-    from core.model.generate import SamplingParams, generate
+    from posttrain.core.generation import Engine, RequestParams
+    from posttrain.core.lora import apply_lora, disable_adapter, set_adapter
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.core.model.generate import SamplingParams, generate
 
     model = build_model(get_preset("debug"), seed=0).eval()
     torch.manual_seed(1)

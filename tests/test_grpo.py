@@ -15,9 +15,9 @@ import pytest
 import torch
 import yaml
 
-from core.grpo import LOSS_TYPES, group_advantages, grpo_token_loss, reduce_loss, zero_std_share
-from core.tracking import TrackingConfig
-from stages.config import DataPrepConfig, GRPOConfig
+from posttrain.core.grpo import LOSS_TYPES, group_advantages, grpo_token_loss, reduce_loss, zero_std_share
+from posttrain.core.tracking import TrackingConfig
+from posttrain.stages.config import DataPrepConfig, GRPOConfig
 
 OFF = TrackingConfig(enabled=False, log_every=1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ def test_group_advantages():
 # ------------------------------------------------------------------------------------- config
 
 def test_config_errors_name_the_key(tmp_path):
-    from core.config import ConfigError, load_config
+    from posttrain.core.config import ConfigError, load_config
 
     for bad, key in [({"num_generations": 1}, "num_generations: "),
                      ({"epsilon": 0.2, "epsilon_high": 0.1}, "epsilon_high: "),
@@ -213,10 +213,10 @@ def pipeline_nodes(**grpo) -> dict:
 
 
 def test_grpo_is_a_pipeline_node_kind(tmp_path):
-    from core.config import ConfigError, load_config
-    from flows.config import PipelineConfig
-    from flows.dag import PipelineDAG
-    from flows.form import form_schema, summary
+    from posttrain.core.config import ConfigError, load_config
+    from posttrain.flows.config import PipelineConfig
+    from posttrain.flows.dag import PipelineDAG
+    from posttrain.flows.form import form_schema, summary
 
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({"nodes": pipeline_nodes(num_generations=4), "workspace": str(tmp_path)}))
@@ -237,8 +237,8 @@ def test_grpo_is_a_pipeline_node_kind(tmp_path):
 
 
 def test_the_cli_knows_the_stage():
-    from flows.cli import build_parser
-    from stages.config import STAGE_CONFIGS
+    from posttrain.flows.cli import build_parser
+    from posttrain.stages.config import STAGE_CONFIGS
 
     assert STAGE_CONFIGS["grpo"] is GRPOConfig
     assert build_parser().parse_args(["stage", "grpo"]).name == "grpo"
@@ -248,7 +248,7 @@ def test_the_cli_knows_the_stage():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from stages.data_prep import prepare
+    from posttrain.stages.data_prep import prepare
 
     root = tmp_path_factory.mktemp("grpo")
     prepare(DataPrepConfig(output_dir=str(root / "data"), synthetic_size=120, tracking=OFF))
@@ -269,7 +269,7 @@ def test_stage_runs_end_to_end(data):
     rollout and loss metrics, the stage writes its model, adapter, rollouts and manifest."""
     from tests.test_stage_parallel import MODULES, in_process
 
-    MODULES[GRPOConfig] = "stages.grpo"
+    MODULES[GRPOConfig] = "posttrain.stages.grpo"
     records = in_process(grpo_config(data, "grpo", num_iterations=2, beta=0.04, loss_type="grpo"))
     steps = {r["step"]: r for r in records if "grad_norm" in r}
     assert sorted(steps) == [1, 2, 3, 4]
@@ -296,8 +296,8 @@ def test_stage_runs_end_to_end(data):
 def test_a_users_prompt_file(data, tmp_path):
     """Prompts-only rows in a user's JSONL (chat prompts with answers, exact match): the file's
     rows split by hash into training and validation prompts, as on-policy DPO reads them."""
-    from core.tasks import make_suite
-    from stages.grpo import run
+    from posttrain.core.tasks import make_suite
+    from posttrain.stages.grpo import run
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": e.prompt}], "answer": e.answer}) + "\n"
@@ -311,8 +311,8 @@ def test_a_users_prompt_file(data, tmp_path):
 
 
 def test_bad_rewards_stop_the_stage_naming_them(data):
-    from stages.common import StageError
-    from stages.grpo import run
+    from posttrain.stages.common import StageError
+    from posttrain.stages.grpo import run
 
     with pytest.raises(StageError, match=r"^grpo: reward: verifier 'tests.nope:f': cannot import"):
         run(grpo_config(data, "grpo-bad", reward="tests.nope:f"))
@@ -325,15 +325,15 @@ def test_engine_sampler(data):
     greedy validation answers are the static sampler's (the same initial val/reward)."""
     from tests.test_stage_parallel import MODULES, in_process
 
-    MODULES[GRPOConfig] = "stages.grpo"
+    MODULES[GRPOConfig] = "posttrain.stages.grpo"
     kw = dict(max_steps=2, eval_interval=0, val_prompts=8, checkpoint={"interval_steps": 0})
     runs = {s: in_process(grpo_config(data, f"grpo-{s}", sampler=s, **kw)) for s in ("engine", "static")}
     initial = {s: next(r["val/reward_initial"] for r in recs if "val/reward_initial" in r) for s, recs in runs.items()}
     assert initial["engine"] == pytest.approx(initial["static"])
     # greedy: token for token the same completions from both samplers
-    from core.model import build_model, get_preset
-    from registry.tokenizer import Tokenizer
-    from stages.grpo import sample_chunk
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.tokenizer import Tokenizer
+    from posttrain.stages.grpo import sample_chunk
 
     model = build_model(get_preset("debug"), seed=0)
     tok = Tokenizer.from_pretrained(data / "data" / "tokenizer")
@@ -363,7 +363,7 @@ def fsdp_config(data: Path, name: str, **kw) -> GRPOConfig:
 def fsdp_run(data):
     from tests.test_stage_parallel import MODULES, torchrun_stage
 
-    MODULES[GRPOConfig] = "stages.grpo"
+    MODULES[GRPOConfig] = "posttrain.stages.grpo"
     return torchrun_stage(fsdp_config(data, "grpo-fsdp"), data / ".work-grpo-fsdp", 2)
 
 
@@ -371,7 +371,7 @@ def fsdp_run(data):
 def one_process(data):
     from tests.test_stage_parallel import MODULES, in_process
 
-    MODULES[GRPOConfig] = "stages.grpo"
+    MODULES[GRPOConfig] = "posttrain.stages.grpo"
     return in_process(grpo_config(data, "grpo-ref", **PARALLEL))
 
 

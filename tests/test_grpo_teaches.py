@@ -11,15 +11,15 @@ import json
 
 import pytest
 
-from core.tracking import TrackingConfig
-from stages.config import DataPrepConfig, GRPOConfig, SFTConfig
+from posttrain.core.tracking import TrackingConfig
+from posttrain.stages.config import DataPrepConfig, GRPOConfig, SFTConfig
 
 pytestmark = pytest.mark.slow
 OFF = TrackingConfig(enabled=False, log_every=10)
 
 
 def test_grpo_raises_held_out_exact_match(tmp_path):
-    from stages.data_prep import prepare
+    from posttrain.stages.data_prep import prepare
     from tests.test_stage_parallel import MODULES, in_process
 
     prepare(DataPrepConfig(output_dir=str(tmp_path / "data"), synthetic_size=2000, tracking=OFF))
@@ -27,7 +27,7 @@ def test_grpo_raises_held_out_exact_match(tmp_path):
     in_process(SFTConfig(output_dir=str(tmp_path / "sft"), tracking=OFF, model="debug",
                          data={"sources": data, "batch_tokens": 768, "max_seq_len": 64}, max_steps=300, epochs=100,
                          eval_interval=0, optim={"lr": 3e-3, "warmup_steps": 20}, checkpoint={"interval_steps": 0}))
-    MODULES[GRPOConfig] = "stages.grpo"
+    MODULES[GRPOConfig] = "posttrain.stages.grpo"
     in_process(GRPOConfig(output_dir=str(tmp_path / "grpo"), tracking=OFF, model=str(tmp_path / "sft"),
                           data={"sources": data, "max_seq_len": 64}, reward="exact_match", num_generations=8,
                           prompts_per_step=16, max_new_tokens=16, temperature=1.0, loss_type="dapo", beta=0.0,

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from core.model import PRESETS, build_model, get_preset
-from registry.hf import CheckpointError, load_pretrained, save_pretrained
+from posttrain.core.model import PRESETS, build_model, get_preset
+from posttrain.registry.hf import CheckpointError, load_pretrained, save_pretrained
 from tests.hf_models import make_hf_model
 
 
@@ -98,7 +98,7 @@ def test_save_is_atomic_on_failure(tmp_path, monkeypatch):
     model = build_model(get_preset("debug"))
     out = save_pretrained(model, tmp_path / "ckpt")
     before = (out / "model.safetensors").read_bytes()
-    import registry.hf as hf
+    import posttrain.registry.hf as hf
 
     def boom(*a, **k):
         raise OSError("No space left on device")
@@ -114,7 +114,7 @@ def test_save_is_atomic_on_failure(tmp_path, monkeypatch):
 def test_presets_build_on_meta(name):
     args = get_preset(name)
     with torch.device("meta"):
-        from core.model import Transformer
+        from posttrain.core.model import Transformer
 
         model = Transformer(args)
     n = sum(p.numel() for p in model.parameters())

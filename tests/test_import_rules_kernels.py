@@ -29,7 +29,7 @@ class Import(NamedTuple):
 
 def imports(path: Path, root: Path = ROOT) -> list[Import]:
     """Every import of the file; relative imports resolved against the file's own package."""
-    package = path.relative_to(root).with_suffix("").parts[:-1]
+    package = ("posttrain", *path.relative_to(root).with_suffix("").parts[:-1])  # installed as posttrain.kernels
     found: list[Import] = []
 
     def visit(node: ast.AST, function: str | None) -> None:
@@ -50,7 +50,9 @@ def imports(path: Path, root: Path = ROOT) -> list[Import]:
 
 
 def _top(module: str) -> str:
-    return module.split(".")[0]
+    """The project folder of a posttrain.<folder>... module, else the top-level name (torch, triton)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "posttrain" and len(parts) > 1 else parts[0]
 
 
 def test_sources_found():
@@ -76,7 +78,8 @@ def test_only_device_code_imports_triton(path):
 def test_the_checker_sees_nested_and_relative_imports(tmp_path):
     (tmp_path / "kernels" / "sub").mkdir(parents=True)
     f = tmp_path / "kernels" / "sub" / "mod.py"
-    f.write_text("import torch\n\nclass C:\n    def g(self):\n        from core.losses import x\n"
+    f.write_text("import torch\n\nclass C:\n    def g(self):\n        from posttrain.core.losses import x\n"
                  "        from .. import _utils\n\nfrom .jit import k\n")
-    assert imports(f, tmp_path) == [Import(1, "torch", None), Import(5, "core.losses", "g"),
-                                    Import(6, "kernels", "g"), Import(8, "kernels.sub.jit", None)]
+    assert imports(f, tmp_path) == [Import(1, "torch", None), Import(5, "posttrain.core.losses", "g"),
+                                    Import(6, "posttrain.kernels", "g"),
+                                    Import(8, "posttrain.kernels.sub.jit", None)]

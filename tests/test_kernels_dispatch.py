@@ -1,4 +1,4 @@
-"""kernels.dispatch: the kernels mode a stage sets from ModelConfig.kernels ("auto" | "torch"),
+"""posttrain.kernels.dispatch: the kernels mode a stage sets from ModelConfig.kernels ("auto" | "torch"),
 its relation to POSTTRAIN_KERNELS, and that "torch" keeps every op off its Triton kernel even
 where the dispatch rule would choose it."""
 
@@ -9,8 +9,8 @@ import importlib
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.dispatch import kernels_mode, mode, set_mode, use_triton
+from posttrain.kernels import dispatch
+from posttrain.kernels.dispatch import kernels_mode, mode, set_mode, use_triton
 
 OP_MODULES = ("rmsnorm", "swiglu", "rope", "lora", "nf4", "flash_attention", "fused_linear_ce", "fused_linear_kl")
 
@@ -32,7 +32,7 @@ def kernel_rule_says_triton(monkeypatch):
 
 
 def _launches() -> dict[str, int]:
-    return {f"{m}.{k}": v for m in OP_MODULES for k, v in importlib.import_module(f"kernels.{m}").LAUNCHES.items()}
+    return {f"{m}.{k}": v for m in OP_MODULES for k, v in importlib.import_module(f"posttrain.kernels.{m}").LAUNCHES.items()}
 
 
 def test_torch_mode_overrides_the_kernel_choice(kernel_rule_says_triton):
@@ -44,9 +44,9 @@ def test_torch_mode_overrides_the_kernel_choice(kernel_rule_says_triton):
 
 
 def test_torch_mode_runs_every_op_on_its_torch_path(kernel_rule_says_triton):
-    from kernels import (apply_rope, dequantize_nf4, flash_attn_varlen, fused_linear_cross_entropy,
+    from posttrain.kernels import (apply_rope, dequantize_nf4, flash_attn_varlen, fused_linear_cross_entropy,
                          fused_linear_distill, fused_linear_logps, lora_linear, nf4_linear, rms_norm, swiglu)
-    from kernels.nf4 import quantize_nf4
+    from posttrain.kernels.nf4 import quantize_nf4
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 4, 8, generator=g, requires_grad=True)

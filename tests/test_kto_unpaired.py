@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.tracking import TrackingConfig
+from posttrain.core.tracking import TrackingConfig
 
 OFF = TrackingConfig(enabled=False, log_every=1)
 sg = torch.sigmoid
@@ -25,7 +25,7 @@ sg = torch.sigmoid
 
 
 def _examples(seed=3, n=6):
-    from core.data.encode import UnpairedExample
+    from posttrain.core.data.encode import UnpairedExample
 
     g = torch.Generator().manual_seed(seed)
     ids = lambda k: torch.randint(5, 200, (k,), generator=g).tolist()  # noqa: E731
@@ -55,7 +55,7 @@ def _per_token(model, prompt, completion, width):
 
 @pytest.fixture(scope="module")
 def models():
-    from core.model import build_model, get_preset
+    from posttrain.core.model import build_model, get_preset
 
     return build_model(get_preset("debug"), seed=0).eval(), build_model(get_preset("debug"), seed=1).eval()
 
@@ -64,8 +64,8 @@ def test_objective_matches_the_paper_on_full_logits_and_trls_kto_trainer(models)
     from trl import KTOTrainer
     from test_preference_losses import _LM, _fake_self
 
-    from core.data.packing import collate_unpaired
-    from core.objectives import kto_objective, pair_logps
+    from posttrain.core.data.packing import collate_unpaired
+    from posttrain.core.objectives import kto_objective, pair_logps
 
     policy, ref_model = models
     ex = _examples()
@@ -119,9 +119,9 @@ def test_objective_matches_the_paper_on_full_logits_and_trls_kto_trainer(models)
 
 def test_gradient_flows_through_the_matched_pairs_only(models):
     """z0 is a constant of the gradient: the loss's gradient is that of kto_loss with z0 fixed."""
-    from core import preference as P
-    from core.data.packing import collate_unpaired
-    from core.objectives import kto_objective, pair_logps
+    from posttrain.core import preference as P
+    from posttrain.core.data.packing import collate_unpaired
+    from posttrain.core.objectives import kto_objective, pair_logps
 
     policy, ref_model = models
     ex = _examples(seed=5)
@@ -144,9 +144,9 @@ def test_gradient_flows_through_the_matched_pairs_only(models):
 def _rank(rank, world, store, examples, q):
     import torch.distributed as dist
 
-    from core.data.packing import collate_unpaired
-    from core.model import build_model, get_preset
-    from core.objectives import kto_objective, pair_logps
+    from posttrain.core.data.packing import collate_unpaired
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.core.objectives import kto_objective, pair_logps
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -164,9 +164,9 @@ def test_z0_is_averaged_over_data_parallel_ranks_as_trl_gathers_it(tmp_path, mod
     loss is kto_loss of its own examples at that z0."""
     import torch.multiprocessing as mp
 
-    from core import preference as P
-    from core.data.packing import collate_unpaired
-    from core.objectives import pair_logps
+    from posttrain.core import preference as P
+    from posttrain.core.data.packing import collate_unpaired
+    from posttrain.core.objectives import pair_logps
 
     policy, ref_model = models
     ex = _examples(seed=7, n=8)
@@ -210,8 +210,8 @@ def tok():
 
 
 def _load(tmp_path, rows, tok, **kw):
-    from core.data.config import DataConfig
-    from core.data.dataset import load_data
+    from posttrain.core.data.config import DataConfig
+    from posttrain.core.data.dataset import load_data
 
     src = _write(tmp_path / "kto.jsonl", rows)
     return load_data(DataConfig(sources=[src], format=kw.pop("format", "preference"), val_fraction=0.0, **kw), tok)
@@ -224,7 +224,7 @@ CHAT = {"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role":
 
 @pytest.mark.parametrize("fmt", ["preference", "auto"])
 def test_unpaired_rows_load_as_kto_examples(tmp_path, tok, fmt):
-    from core.data.encode import UnpairedExample
+    from posttrain.core.data.encode import UnpairedExample
 
     data = _load(tmp_path, [GOOD, {**GOOD, "completion": "5", "label": False}, CHAT], tok, format=fmt)
     assert data.task == "unpaired"
@@ -249,7 +249,7 @@ def test_unpaired_rows_load_as_kto_examples(tmp_path, tok, fmt):
     ({**CHAT, "prompt": "2+2?"}, "completion", "expected a string"),
 ])
 def test_bad_unpaired_rows_name_file_line_and_field(tmp_path, tok, row, field, match):
-    from core.data.errors import DataError
+    from posttrain.core.data.errors import DataError
 
     with pytest.raises(DataError, match=match) as e:
         _load(tmp_path, [GOOD, row], tok)
@@ -258,8 +258,8 @@ def test_bad_unpaired_rows_name_file_line_and_field(tmp_path, tok, row, field, m
 
 
 def test_paired_and_unpaired_sources_do_not_mix(tmp_path):
-    from core.data.errors import DataError
-    from core.data.prepared import data_task
+    from posttrain.core.data.errors import DataError
+    from posttrain.core.data.prepared import data_task
 
     un = _write(tmp_path / "un.jsonl", [GOOD])
     pair = _write(tmp_path / "pair.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
@@ -276,9 +276,9 @@ def test_paired_and_unpaired_sources_do_not_mix(tmp_path):
 def kto_root(tmp_path_factory):
     """Data prep's synthetic suite (for its tokenizer), and its pairs unpaired into a JSONL as TRL's
     unpair_preference_dataset does: each pair's chosen desirable, its rejected undesirable."""
-    from core.tasks import make_suite
-    from stages.config import DataPrepConfig
-    from stages.data_prep import prepare
+    from posttrain.core.tasks import make_suite
+    from posttrain.stages.config import DataPrepConfig
+    from posttrain.stages.data_prep import prepare
 
     root = tmp_path_factory.mktemp("kto")
     prepare(DataPrepConfig(output_dir=str(root / "data"), synthetic_size=8, tracking=OFF))
@@ -292,7 +292,7 @@ def kto_root(tmp_path_factory):
 
 
 def kto_cfg(root: Path, name: str, sources=None, **kw):
-    from stages.config import DPOConfig
+    from posttrain.stages.config import DPOConfig
 
     kw.setdefault("optim", {"lr": 5e-3, "warmup_steps": 1})
     return DPOConfig(output_dir=str(root / name), model={"name_or_path": "debug", "tokenizer": str(root / "data" /
@@ -332,8 +332,8 @@ def test_dpo_stage_trains_kto_on_unpaired_jsonl(kto_root, reference):
 def test_dpo_stage_trains_kto_from_data_prep_output(kto_root):
     """Data prep writes unpaired rows as their own Parquet (unpaired_train, ...), which the DPO
     stage reads back with loss_type kto."""
-    from stages.config import DataPrepConfig
-    from stages.data_prep import prepare
+    from posttrain.stages.config import DataPrepConfig
+    from posttrain.stages.data_prep import prepare
     from test_stage_parallel import in_process
 
     out = kto_root / "prep-unpaired"
@@ -356,8 +356,8 @@ def test_dpo_stage_trains_kto_from_data_prep_output(kto_root):
 def test_unpaired_loader_resumes_with_the_same_batches_and_mismatched_pairs():
     """The mismatched pairs are built from each micro-batch's own examples at collation, so a
     loader resumed from its state yields the same batches, kto_kl_batch included."""
-    from core.data import build_loader
-    from core.data.config import DataConfig
+    from posttrain.core.data import build_loader
+    from posttrain.core.data.config import DataConfig
 
     ex = _examples(seed=9, n=24)
     cfg = DataConfig(micro_batch_size=4, seed=3)
@@ -382,7 +382,7 @@ def test_unpaired_loader_resumes_with_the_same_batches_and_mismatched_pairs():
 
 
 def test_unpaired_rows_need_loss_type_kto(kto_root):
-    from stages.common import StageError
+    from posttrain.stages.common import StageError
     from test_stage_parallel import in_process
 
     cfg = kto_cfg(kto_root, "dpo-sigmoid").model_copy(update={"loss_type": "sigmoid"})
@@ -391,8 +391,8 @@ def test_unpaired_rows_need_loss_type_kto(kto_root):
 
 
 def test_one_kind_only_is_warned_as_trl_warns(kto_root, caplog):
-    from stages.dpo import check_balance
-    from core.data.encode import UnpairedExample
+    from posttrain.stages.dpo import check_balance
+    from posttrain.core.data.encode import UnpairedExample
 
     cfg = kto_cfg(kto_root, "unused")
     ex = [UnpairedExample([1], [2], [2], True) for _ in range(4)]
@@ -411,7 +411,7 @@ def test_one_kind_only_is_warned_as_trl_warns(kto_root, caplog):
 
 
 def test_trl_weight_names_are_accepted():
-    from stages.config import DPOConfig
+    from posttrain.stages.config import DPOConfig
 
     cfg = DPOConfig(loss_type="kto", desirable_weight=1.33, undesirable_weight=0.5)
     assert (cfg.kto_desirable_weight, cfg.kto_undesirable_weight) == (1.33, 0.5)

@@ -1,4 +1,4 @@
-"""stages.launch: torchrun launches of the probe stage, cancellation, and the cluster renderings.
+"""posttrain.stages.launch: torchrun launches of the probe stage, cancellation, and the cluster renderings.
 
 The multi-process tests start real torchrun jobs of the probe stage, tests/probe_stage.py (gloo on
 CPU); each costs a few torch imports, so they use as few ranks as what they check needs.
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.config import spec_text
-from stages.launch.config import KubernetesOptions, LauncherConfig, SlurmOptions
+from posttrain.core.config import spec_text
+from posttrain.stages.launch.config import KubernetesOptions, LauncherConfig, SlurmOptions
 from probe_stage import MODULE as PROBE, ProbeConfig
-from stages.launch import Launch, LaunchError, launch_nodes, launch_stage, render_kubernetes, render_sbatch
+from posttrain.stages.launch import Launch, LaunchError, launch_nodes, launch_stage, render_kubernetes, render_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -206,8 +206,8 @@ def test_killed_launcher_takes_its_workers_along(tmp_path):
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         from pathlib import Path
-        from stages.launch.config import LauncherConfig
-        from stages.launch import launch_stage
+        from posttrain.stages.launch.config import LauncherConfig
+        from posttrain.stages.launch import launch_stage
         from tests.probe_stage import MODULE, ProbeConfig
         launch_stage(MODULE, ProbeConfig(output_dir={str(out)!r}, sleep_s=600),
                      LauncherConfig(nproc_per_node=1), workdir=Path({str(tmp_path / 'w')!r}))
@@ -229,7 +229,7 @@ def test_killed_torchrun_takes_its_ranks_along(tmp_path):
     out = tmp_path / "out"
     spec = tmp_path / "spec.json"
     spec.write_text(spec_text(ProbeConfig(output_dir=str(out), sleep_s=600)))
-    cmd = [sys.executable, "-m", "stages.launch", "torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+    cmd = [sys.executable, "-m", "posttrain.stages.launch", "torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
            "-m", PROBE, "--config", str(spec)]
     torchrun = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
     try:
@@ -248,12 +248,12 @@ def test_a_relaunch_waits_for_the_leftovers_of_a_killed_launch(tmp_path, monkeyp
     the next launch waits for it to be gone before starting its own ranks: past its wait (its
     grace plus EARLIER_GRACE_S, here 1 + 3 s instead of 1 + 60, so that torchrun's own 30 s
     escalation does not end the leftover first) it kills them."""
-    monkeypatch.setattr("stages.launch.job.EARLIER_GRACE_S", 3.0)
+    monkeypatch.setattr("posttrain.stages.launch.job.EARLIER_GRACE_S", 3.0)
     out, work = tmp_path / "out", tmp_path / "w"
     script = textwrap.dedent(f"""
         from pathlib import Path
-        from stages.launch.config import LauncherConfig
-        from stages.launch import launch_stage
+        from posttrain.stages.launch.config import LauncherConfig
+        from posttrain.stages.launch import launch_stage
         from tests.probe_stage import MODULE, ProbeConfig
         launch_stage(MODULE, ProbeConfig(output_dir={str(out)!r}, sleep_s=600, ignore_sigterm=True),
                      LauncherConfig(nproc_per_node=1), workdir=Path({str(work)!r}))
@@ -275,7 +275,7 @@ def test_a_relaunch_waits_for_the_leftovers_of_a_killed_launch(tmp_path, monkeyp
     (line,) = [ln for ln in log.splitlines() if "of an earlier launch, whose launcher is gone" in ln]
     assert str(workers[0]) in line  # the rank was named among the earlier launch's and waited for,
     assert f"killing process {workers[0]} of the earlier launch" in log  # then killed,
-    assert log.index(line) < log.rindex("stages.launch torchrun")  # before this launch's torchrun started
+    assert log.index(line) < log.rindex("posttrain.stages.launch torchrun")  # before this launch's torchrun started
 
 
 # ---------------------------------------------------------------------------------- multinode
@@ -330,7 +330,7 @@ def test_sbatch_script_structure(tmp_path):
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in script
     srun = script[script.index("\nsrun "):]
     for arg in ("--nnodes=4", "--nproc-per-node=8", "--max-restarts=2", "--rdzv-backend=c10d",
-                '--rdzv-endpoint="$head_node:$rdzv_port"', '--rdzv-id="$SLURM_JOB_ID"', "-m stages.sft"):
+                '--rdzv-endpoint="$head_node:$rdzv_port"', '--rdzv-id="$SLURM_JOB_ID"', "-m posttrain.stages.sft"):
         assert arg in srun
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     # The exported env survives shell quoting exactly.
@@ -375,7 +375,7 @@ def test_trainjob_manifest_structure():
     tr = job["spec"]["trainer"]
     assert (tr["image"], tr["numNodes"], tr["numProcPerNode"]) == ("registry/posttrain:1", 3, 2)
     assert tr["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": 2, "cpu": 16, "memory": "64Gi"}}
-    assert tr["command"][:4] == ["python", "-m", "stages.launch", "torchrun"]
+    assert tr["command"][:4] == ["python", "-m", "posttrain.stages.launch", "torchrun"]
     assert "--chdir=/ws" in tr["command"] and "--max-restarts=1" in tr["command"]
     assert tr["command"][-4:] == ["-m", "tests.probe_stage", "--config", "/etc/posttrain/spec.json"]
     env = {e["name"]: e["value"] for e in tr["env"]}
@@ -431,7 +431,7 @@ def test_same_spec_on_every_launcher(tmp_path):
     spec = ProbeConfig(output_dir="runs/x/probe", launcher=_k8s_launcher("trainjob"))
     cm, _ = render_kubernetes(PROBE, spec_text(spec), spec.launcher)
     local = tmp_path / "spec.json"
-    from core.config import to_json_file
+    from posttrain.core.config import to_json_file
     to_json_file(spec, local)
     assert cm["data"]["spec.json"].strip() == local.read_text().strip()
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.lora import apply_lora, disable_adapter
-from core.model.args import ModelArgs
-from core.model.layers import MLP
-from kernels.lora import (LoRALinearTorchFunction, SwiGLULoRALinearTorchFunction, lora_linear,
+from posttrain.core.lora import apply_lora, disable_adapter
+from posttrain.core.model.args import ModelArgs
+from posttrain.core.model.layers import MLP
+from posttrain.kernels.lora import (LoRALinearTorchFunction, SwiGLULoRALinearTorchFunction, lora_linear,
                           lora_linear_reference, swiglu_lora_linear)
-from kernels.rmsnorm import RMSNormTorchFunction, rms_norm, rms_norm_reference
-from kernels.swiglu import SwiGLUTorchFunction, swiglu, swiglu_reference
+from posttrain.kernels.rmsnorm import RMSNormTorchFunction, rms_norm, rms_norm_reference
+from posttrain.kernels.swiglu import SwiGLUTorchFunction, swiglu, swiglu_reference
 
 
 def saved_bytes(fn, *inputs):

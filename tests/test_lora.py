@@ -1,4 +1,4 @@
-"""core.lora and core.quant: LoRA, rsLoRA, DoRA, QLoRA against direct formulas and against peft."""
+"""posttrain.core.lora and posttrain.core.quant: LoRA, rsLoRA, DoRA, QLoRA against direct formulas and against peft."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.lora.config import LoRAConfig
-from core.lora import (
+from posttrain.core.lora.config import LoRAConfig
+from posttrain.core.lora import (
     LoRALinear, adapter_config, adapter_names, adapter_state_dict, apply_lora, count_trainable,
     delete_adapter, disable_adapter, load_adapter_state_dict, lora_modules, lora_parameters,
     merge_lora, route_adapters, set_adapter, unmerge_lora,
 )
-from core.quant import NF4_CODE, NF4Weight, dequantize_nf4, nf4_linear, quantize_nf4
+from posttrain.core.quant import NF4_CODE, NF4Weight, dequantize_nf4, nf4_linear, quantize_nf4
 
 H = 32
 
@@ -478,10 +478,10 @@ def test_qlora_apply_and_count():
 @pytest.mark.parametrize("shape,double_quant", [((64, 64), False), ((96, 64), True), ((40, 200), True),
                                                 ((128, 48), False)])
 def test_nf4_shards_dequantize_to_slices_of_the_whole_weight(shape, double_quant):
-    """Tensor parallelism's cut of an NF4 weight (core.quant.nf4_shard), by rows or columns into
+    """Tensor parallelism's cut of an NF4 weight (posttrain.core.quant.nf4_shard), by rows or columns into
     2 or 4: each part dequantizes to exactly its slice of the whole dequantized weight, also where
     the cut splits a 64-value block (the part's blocks are then smaller, under the same scale)."""
-    from core.quant import dequantize_nf4, nf4_shard, quantize_nf4
+    from posttrain.core.quant import dequantize_nf4, nf4_shard, quantize_nf4
 
     t = quantize_nf4(torch.randn(shape, generator=torch.Generator().manual_seed(0)), double_quant=double_quant)
     whole = dequantize_nf4(t)

@@ -1,4 +1,4 @@
-"""core.losses held to naive fp64 implementations of the published formulas, written out here.
+"""posttrain.core.losses held to naive fp64 implementations of the published formulas, written out here.
 
 Tolerances: fp64-vs-fp64 comparisons use 1e-10 (only summation order differs); fp32 chunked CE vs
 torch's fp32 cross entropy uses atol 1e-5 (the brief's bound, ~100x fp32 eps at |loss| ~ 7);
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from core import losses as L
+from posttrain.core import losses as L
 
 V = 1003  # odd vocab, not a multiple of any chunk size
 IGN = -100

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.model.generate import SamplingParams, generate
-from registry.hf import hf_state_dict, load_pretrained, save_pretrained
+from posttrain.core.model.generate import SamplingParams, generate
+from posttrain.registry.hf import hf_state_dict, load_pretrained, save_pretrained
 from tests.hf_models import FAMILIES, make_hf_model
 
 ATOL = 1e-4  # fp32; observed differences are ~1e-6 (see the closing note of issue 2)

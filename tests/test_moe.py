@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.model import build_model, get_preset
-from core.model.args import MoEArgs
-from core.model.moe import MoE, load_balancing_loss
-from registry.hf import load_pretrained
+from posttrain.core.model import build_model, get_preset
+from posttrain.core.model.args import MoEArgs
+from posttrain.core.model.moe import MoE, load_balancing_loss
+from posttrain.registry.hf import load_pretrained
 from tests.hf_models import make_hf_model
 
 

@@ -11,14 +11,14 @@ import json
 import pytest
 import torch
 
-from core.data.encode import Document
-from core.data.packing import collate_padding_free
-from core.lora import apply_lora, lora_parameters, route_adapters, set_adapter
-from core.model import build_model, get_preset
-from core.objectives import sft_objective
-from core.optim import OptimConfig
-from core.trainer import Trainer
-from stages.adapters import routed
+from posttrain.core.data.encode import Document
+from posttrain.core.data.packing import collate_padding_free
+from posttrain.core.lora import apply_lora, lora_parameters, route_adapters, set_adapter
+from posttrain.core.model import build_model, get_preset
+from posttrain.core.objectives import sft_objective
+from posttrain.core.optim import OptimConfig
+from posttrain.core.trainer import Trainer
+from posttrain.stages.adapters import routed
 
 NAMES = ["a", "b", "c"]
 
@@ -48,8 +48,8 @@ def docs_for(adapters, seed=0, vocab=512):
 def test_packed_row_routes_each_document_to_its_adapter(checkpointing):
     """One (1, T) packed row of documents for a, b, c and one for none (-1): logits and gradients
     equal each document run alone with its adapter active (or with the adapters disabled)."""
-    from core.lora import disable_adapter
-    from core.parallel.data_parallel import apply_activation_checkpointing
+    from posttrain.core.lora import disable_adapter
+    from posttrain.core.parallel.data_parallel import apply_activation_checkpointing
 
     model = model_with(NAMES)
     docs = docs_for([0, 2, 1, None, 0, 1])
@@ -135,7 +135,7 @@ def test_each_adapter_trains_as_if_alone():
         alone = model_with(names)  # same init; then only `name` stays
         for other in names:
             if other != name:
-                from core.lora import delete_adapter
+                from posttrain.core.lora import delete_adapter
 
                 delete_adapter(alone, other)
         set_adapter(alone, name)
@@ -172,7 +172,7 @@ def test_each_adapter_trains_as_if_alone():
 def test_an_adapter_without_examples_yet_resumes_exactly(tmp_path):
     """The checkpoint of a run whose adapter b has had no example yet (the case that made the next
     run fail to resume) loads, and the resumed run ends bit-identical to an uninterrupted one."""
-    from core.checkpoint import CheckpointManager
+    from posttrain.core.checkpoint import CheckpointManager
 
     names = ["a", "b"]
     steps = [[0, 0], [0, 0], [1, 0, 1], [1, 1]]  # b's first examples come after the checkpoint
@@ -222,16 +222,16 @@ def _row(i, adapter=None):
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from stages.data_prep import train_tokenizer
+    from posttrain.stages.data_prep import train_tokenizer
 
     return train_tokenizer([f"what is {i}? it is {i}." for i in range(50)], 300,
                            tmp_path_factory.mktemp("tok"))
 
 
 def test_raw_rows_are_routed_by_column_or_source(tmp_path, tok):
-    from core.data import load_splits
-    from core.data.config import DataConfig
-    from core.data.routing import AdapterRouting
+    from posttrain.core.data import load_splits
+    from posttrain.core.data.config import DataConfig
+    from posttrain.core.data.routing import AdapterRouting
 
     mixed = _rows(tmp_path / "mixed.jsonl", [_row(i, "ab"[i % 2]) for i in range(10)])
     only_b = _rows(tmp_path / "b.jsonl", [_row(i) for i in range(10, 14)])
@@ -248,9 +248,9 @@ def test_raw_rows_are_routed_by_column_or_source(tmp_path, tok):
     (_row(3), "adapter", "missing: with several adapters"),
 ])
 def test_a_bad_adapter_names_file_row_and_field(tmp_path, tok, row, field, message):
-    from core.data import DataError, load_splits
-    from core.data.config import DataConfig
-    from core.data.routing import AdapterRouting
+    from posttrain.core.data import DataError, load_splits
+    from posttrain.core.data.config import DataConfig
+    from posttrain.core.data.routing import AdapterRouting
 
     path = _rows(tmp_path / "bad.jsonl", [_row(1, "a"), _row(2, "b"), row])
     cfg = DataConfig(sources=[str(path)], val_fraction=0.0)
@@ -266,11 +266,11 @@ def test_data_prep_keeps_the_adapter_column(tmp_path):
     and a row naming an unknown adapter fails naming the Parquet file, row and field."""
     import pyarrow.parquet as pq
 
-    from core.data import DataError, load_splits
-    from core.data.routing import AdapterRouting
-    from core.tracking import TrackingConfig
-    from stages.config import DataPrepConfig
-    from stages.data_prep import prepare
+    from posttrain.core.data import DataError, load_splits
+    from posttrain.core.data.routing import AdapterRouting
+    from posttrain.core.tracking import TrackingConfig
+    from posttrain.stages.config import DataPrepConfig
+    from posttrain.stages.data_prep import prepare
 
     src = _rows(tmp_path / "rows.jsonl", [_row(i, "ab"[i % 3 == 0]) for i in range(30)])
     prepare(DataPrepConfig(output_dir=str(tmp_path / "prep"), sources=[str(src)], synthetic_size=0,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.tracking import TrackingConfig
-from stages.config import DataPrepConfig, DistillConfig, DPOConfig, SFTConfig
+from posttrain.core.tracking import TrackingConfig
+from posttrain.stages.config import DataPrepConfig, DistillConfig, DPOConfig, SFTConfig
 
 OFF = TrackingConfig(enabled=False)
 LORA = {"enabled": True, "rank": 4, "alpha": 8, "adapter_names": ["a", "b"]}
@@ -25,10 +25,10 @@ def root(tmp_path_factory):
     data prep (which keeps the column), and an HF base model with the tokenizer beside it."""
     import pyarrow.parquet as pq
 
-    from core.model import build_model, get_preset
-    from registry.hf import save_pretrained
-    from registry.tokenizer import Tokenizer
-    from stages.data_prep import prepare
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.hf import save_pretrained
+    from posttrain.registry.tokenizer import Tokenizer
+    from posttrain.stages.data_prep import prepare
 
     root = tmp_path_factory.mktemp("multi")
     prepare(DataPrepConfig(output_dir=str(root / "suite"), synthetic_size=200, tracking=OFF))
@@ -61,7 +61,7 @@ def adapter_weights(out: Path, name: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def sft_run(root):
     """SFT of adapters a and b (adapter_lr for b)."""
-    from stages.sft import run
+    from posttrain.stages.sft import run
 
     return run(sft_cfg(root, "sft", lora={**LORA, "adapter_lr": {"b": 1e-2}}, eval_interval=4))
 
@@ -70,7 +70,7 @@ def test_sft_exports_each_adapter_loadable_with_peft(root, sft_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from registry.hf import load_pretrained
+    from posttrain.registry.hf import load_pretrained
 
     out = root / "sft"
     outputs = sft_run["outputs"]
@@ -98,8 +98,8 @@ def test_each_adapter_is_logged_and_registered_on_its_own(root):
     registry registers one adapter's merged model (what an evaluate node of `sft:b` selects)."""
     from mlflow import MlflowClient
 
-    from registry.mlflow_registry import RegistryConfig, register_and_promote
-    from stages.sft import run
+    from posttrain.registry.mlflow_registry import RegistryConfig, register_and_promote
+    from posttrain.stages.sft import run
 
     uri = f"sqlite:///{root}/mlflow.db"
     manifest = run(sft_cfg(root, "tracked", max_steps=2, tracking=TrackingConfig(
@@ -112,7 +112,7 @@ def test_each_adapter_is_logged_and_registered_on_its_own(root):
     history = client.get_metric_history(run_id, "train/tokens/b")
     assert history and all(h.value > 0 for h in history)
     assert client.get_metric_history(run_id, "train/grad_norm/a")
-    # one metric scheme (stages.recipe.run_metric_names): the objective under its own name, the
+    # one metric scheme (posttrain.stages.recipe.run_metric_names): the objective under its own name, the
     # validation curve from step 0, no value logged twice at a step
     logged = client.get_run(run_id).data.metrics
     assert "train/sft_loss" in logged and not {"loss", "train/loss", "val/loss_initial"} & set(logged)
@@ -122,7 +122,7 @@ def test_each_adapter_is_logged_and_registered_on_its_own(root):
     source = {"model_dir": str(root / "tracked" / "model-b"), "model_name": "model-b", "evaluate": "eval",
               "metrics": {"exact_match": 0.5}, "lineage": {}}
     decision = register_and_promote(RegistryConfig(model_name="adapter-b"), uri, run_id, source)
-    from registry.mlflow_registry import fetch_registered
+    from posttrain.registry.mlflow_registry import fetch_registered
 
     # registered as an MLflow model merged into its base: the HF files a later pipeline can load
     local, _ = fetch_registered(uri, f"models:/adapter-b/{decision['version']}", root / "fetched")
@@ -133,7 +133,7 @@ class KilledAt:
     """SFT whose training dies (as a killed job would) in the forward of step `step`."""
 
     def __init__(self, step: int):
-        from stages.sft import SFT
+        from posttrain.stages.sft import SFT
 
         self.inner, self.step, self.name = SFT(), step, "sft"
 
@@ -154,8 +154,8 @@ class KilledAt:
 def test_killed_run_resumes_to_the_uninterrupted_outputs(root):
     """The original failure: a multi-adapter run that dies leaves checkpoints the next run resumes
     from (every adapter and its optimizer state), and it ends bit-identical to an uninterrupted run."""
-    from stages.recipe import run_training
-    from stages.sft import run
+    from posttrain.stages.recipe import run_training
+    from posttrain.stages.sft import run
 
     whole = run(sft_cfg(root, "whole", max_steps=5))
     with pytest.raises(RuntimeError, match="killed"):
@@ -171,9 +171,9 @@ def test_killed_run_resumes_to_the_uninterrupted_outputs(root):
 
 def test_one_adapter_of_any_name_trains_and_exports(root):
     """adapter_names: [solo] (no routing): exported as the stage's adapter/ and model/, as 'default' is."""
-    from registry.adapters import load_adapter
-    from registry.hf import load_pretrained
-    from stages.sft import run
+    from posttrain.registry.adapters import load_adapter
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.stages.sft import run
 
     out = root / "solo"
     m = run(sft_cfg(root, "solo", max_steps=2, lora={**LORA, "adapter_names": ["solo"]}))
@@ -187,7 +187,7 @@ def test_one_adapter_of_any_name_trains_and_exports(root):
 
 def test_rows_map_to_adapters_by_source(root, tmp_path):
     """adapter_sources: every row of a.jsonl trains a, of b.jsonl b (no column needed)."""
-    from stages.sft import run
+    from posttrain.stages.sft import run
 
     rows = [json.loads(line) for line in (root / "sft.jsonl").read_text().splitlines()]
     for name in ("a", "b"):
@@ -204,8 +204,8 @@ def test_rows_map_to_adapters_by_source(root, tmp_path):
 
 
 def test_dpo_and_distillation_train_several_adapters(root, sft_run):
-    from stages.distill import run as distill
-    from stages.dpo import run as dpo
+    from posttrain.stages.distill import run as distill
+    from posttrain.stages.dpo import run as dpo
 
     common = dict(model=str(root / "base"), lora=LORA, tracking=OFF, max_steps=3, eval_interval=0,
                   optim={"lr": 5e-3, "warmup_steps": 1})
@@ -241,8 +241,8 @@ def test_what_several_adapters_cannot_do_is_refused_at_load(root, kw, key):
 
 def test_a_downstream_node_names_one_adapter(root, sft_run):
     """`sft:a` in a pipeline is adapter a merged into the base (what the registry then registers)."""
-    from flows.config import PipelineConfig
-    from flows.dag import PipelineDAG, Upstream
+    from posttrain.flows.config import PipelineConfig
+    from posttrain.flows.dag import PipelineDAG, Upstream
 
     cfg = PipelineConfig.model_validate({"name": "p", "workspace": str(root / "ws"), "nodes": {
         "sft": {"kind": "sft", "model": str(root / "base"), "data": str(root / "prep"), "lora": LORA},

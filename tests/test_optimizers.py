@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from core.checkpoint import CheckpointManager
-from core.model import build_model, get_preset
-from core.optim import OptimConfig
-from core.optimizers import MuonWithAdamW, build_optimizer, state_bytes
-from core.trainer import Trainer
+from posttrain.core.checkpoint import CheckpointManager
+from posttrain.core.model import build_model, get_preset
+from posttrain.core.optim import OptimConfig
+from posttrain.core.optimizers import MuonWithAdamW, build_optimizer, state_bytes
+from posttrain.core.trainer import Trainer
 from test_trainer import lm_objective, make_batches
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None

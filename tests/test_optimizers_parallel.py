@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.common import StageError
+from posttrain.stages.common import StageError
 from test_stage_parallel import (assert_same_run, in_process, optim, reference, root, sft_config,  # noqa: F401
                                  torchrun_stage)
 
 
 @pytest.mark.slow
 def test_fsdp_with_optimizer_offload_matches_one_process_and_fsdp_without(reference):
-    from registry.hf import load_pretrained
+    from posttrain.registry.hf import load_pretrained
 
     root, ref_records = reference
     runs = {}  # bitwise the same steps and weights as without offload; as close to one process as FSDP is

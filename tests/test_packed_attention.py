@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.model.args import ModelArgs
-from core.model.model import DocumentSpans, attention_masks, build_attention_mask, build_model, document_attention
+from posttrain.core.model.args import ModelArgs
+from posttrain.core.model.model import DocumentSpans, attention_masks, build_attention_mask, build_model, document_attention
 
 
 def _positions(*rows: list[int]) -> torch.Tensor:

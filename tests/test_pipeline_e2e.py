@@ -38,7 +38,7 @@ def workdir(tmp_path_factory):
     from prefect.settings import (PREFECT_SERVER_ANALYTICS_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
                                   temporary_settings)
 
-    # What `posttrain run` sets (flows.cli.main): Prefect's ephemeral API server takes longer than
+    # What `posttrain run` sets (posttrain.flows.cli.main): Prefect's ephemeral API server takes longer than
     # its default patience to start on a busy 2-core machine. A user's own setting wins. (As
     # settings, not env: prefect may have been imported, and its settings read, already.)
     settings = {s: v for s, v in ((PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, 180),
@@ -53,9 +53,9 @@ def workdir(tmp_path_factory):
 
 
 def config(workdir: Path, *extra: str):
-    from core.config import load_config
-    from flows.config import PipelineConfig
-    from flows.demo import DEMO_CONFIG
+    from posttrain.core.config import load_config
+    from posttrain.flows.config import PipelineConfig
+    from posttrain.flows.demo import DEMO_CONFIG
 
     sets = TINY + [f"workspace={workdir / 'runs'}", f"tracking.tracking_uri=sqlite:///{workdir / 'mlflow.db'}",
                    "registry.model_name=e2e-model", *extra]
@@ -64,7 +64,7 @@ def config(workdir: Path, *extra: str):
 
 @pytest.fixture(scope="module")
 def first_run(workdir):
-    from flows.pipeline import run_pipeline
+    from posttrain.flows.pipeline import run_pipeline
 
     return run_pipeline(config(workdir))
 
@@ -154,7 +154,7 @@ def test_mlflow_holds_parent_and_children_and_registry_alias(first_run, workdir)
     assert first_run.registered["model"] == "dpo"  # the evaluate node's first model (it selects none)
     version = client.get_model_version_by_alias("e2e-model", "candidate")
     assert version.run_id == first_run.parent_run_id
-    # an MLflow model (registry.mlflow_model), its lineage as links to every node's run, and the
+    # an MLflow model (posttrain.registry.mlflow_model), its lineage as links to every node's run, and the
     # prepared data as the parent run's dataset inputs, by content digest
     assert version.source.startswith("models:/m-")
     for name in recording:
@@ -177,13 +177,13 @@ def test_mlflow_holds_parent_and_children_and_registry_alias(first_run, workdir)
 
 
 def eval_results_of(run):
-    from flows.report import eval_results
+    from posttrain.flows.report import eval_results
 
     return eval_results(run.stages["evaluate"])
 
 
 def test_second_run_is_cached_and_a_change_reruns_only_descendants(first_run, workdir):
-    from flows.pipeline import run_pipeline
+    from posttrain.flows.pipeline import run_pipeline
 
     again = run_pipeline(config(workdir))
     assert all(r.cached for r in again.stages.values())
@@ -253,10 +253,10 @@ def prefect_markdown(flow_run_id: str) -> str:
 def test_failing_stage_is_retried_and_reported(first_run, workdir):
     from mlflow import MlflowClient
 
-    from flows.pipeline import run_pipeline
+    from posttrain.flows.pipeline import run_pipeline
 
-    from core.config import load_config
-    from flows.config import PipelineConfig
+    from posttrain.core.config import load_config
+    from posttrain.flows.config import PipelineConfig
 
     not_a_model = workdir / "not-a-model"
     not_a_model.mkdir(exist_ok=True)  # exists (so the config is valid) but holds no checkpoint
@@ -276,7 +276,7 @@ nodes:
     with pytest.raises(Exception, match="node student failed"):
         run_pipeline(cfg)
     log = (workdir / "runs" / "broken" / ".launch" / "student" / "launch.log").read_text()
-    assert log.count("==> posttrain launch stages.sft") == 2  # the first attempt and one retry
+    assert log.count("==> posttrain launch posttrain.stages.sft") == 2  # the first attempt and one retry
     assert "checkpoint" in log.lower()
     client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("posttrain")

@@ -14,12 +14,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from core.checkpoint import CheckpointManager
-from core.model import build_model, get_preset
-from core.optim import OptimConfig
-from core.precision import LossScaler, PrecisionConfig, autocast_dtype, upcast_trainable
-from core.trainer import Trainer
-from stages.config import DPOConfig, SFTConfig
+from posttrain.core.checkpoint import CheckpointManager
+from posttrain.core.model import build_model, get_preset
+from posttrain.core.optim import OptimConfig
+from posttrain.core.precision import LossScaler, PrecisionConfig, autocast_dtype, upcast_trainable
+from posttrain.core.trainer import Trainer
+from posttrain.stages.config import DPOConfig, SFTConfig
 from test_trainer import lm_objective, make_batches
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
@@ -69,7 +69,7 @@ def test_autocast_dtype_per_mode():
 # -- bf16: master weights ----------------------------------------------------------------------------
 
 def test_upcast_keeps_frozen_weights_and_makes_trainable_ones_float32():
-    from core.lora import apply_lora
+    from posttrain.core.lora import apply_lora
 
     model = build_model(get_preset("debug"), dtype=torch.bfloat16)
     apply_lora(model, rank=4, alpha=8.0, targets="all-linear")
@@ -169,8 +169,8 @@ def test_fp16_overflow_skips_the_step_and_backs_off():
 
 
 def test_fp16_overflow_is_not_a_bad_step_for_reliability():
-    from core.reliability import Reliability
-    from core.reliability.config import ReliabilityConfig
+    from posttrain.core.reliability import Reliability
+    from posttrain.core.reliability.config import ReliabilityConfig
 
     rel = Reliability.from_config(ReliabilityConfig(max_bad_steps=1), None)
     events = rel.after_step({"skipped": 1.0, "overflow": 1.0, "loss": 2.0, "grad_norm": math.inf,
@@ -199,7 +199,7 @@ def test_fp16_resume_is_bit_exact_with_the_loss_scale(tmp_path):
 def test_fp8_converts_the_block_linears_and_trains_emulated():
     from torchao.float8.float8_linear import Float8Linear
 
-    from core.precision import convert_fp8
+    from posttrain.core.precision import convert_fp8
 
     torch.manual_seed(0)
     model = build_model(get_preset("debug"))
@@ -228,7 +228,7 @@ from test_stage_parallel import STEPS, in_process, optim as stage_optim, root, s
 
 
 def test_fp8_on_a_cpu_is_refused_before_training(root):
-    from stages.common import StageError
+    from posttrain.stages.common import StageError
 
     with pytest.raises(StageError, match=r"precision.mode='fp8' needs a CUDA GPU .* this rank runs on cpu"):
         in_process(sft_config(root, "fp8-cpu", precision="fp8"))
@@ -249,7 +249,7 @@ def first_losses(records):
 
 
 def test_each_mode_trains_the_sft_stage_and_exports_model_dtype(root, precision_refs):
-    from registry.hf import load_pretrained
+    from posttrain.registry.hf import load_pretrained
 
     full = first_losses(precision_refs["full"])
     for mode in ("bf16", "fp16"):
@@ -306,7 +306,7 @@ def launched(root, request):
 def test_mixed_precision_under_torchrun_matches_one_process(root, precision_refs, launched, layout):
     """Each layout reproduces the one-process run of the same mode within 16-bit rounding: per step
     the same tokens, losses and gradient norms within 2%, exported weights as below."""
-    from registry.hf import load_pretrained
+    from posttrain.registry.hf import load_pretrained
 
     name, mode = layout, PRECISION_LAYOUTS[layout][0]
     records = launched[layout]

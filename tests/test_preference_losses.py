@@ -1,4 +1,4 @@
-"""The preference-loss family (core.preference) against the published formulas written out here
+"""The preference-loss family (posttrain.core.preference) against the published formulas written out here
 in plain torch, and against TRL's trainers where TRL has the same name: TRL's DPOTrainer,
 KTOTrainer and ORPOTrainer loss code is called on the same tensors through a stand-in `self`
 whose model returns given per-token log-probs. Then DPOConfig's checks, and short DPO stage runs
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core import preference as P
-from core.losses import dpo_loss
+from posttrain.core import preference as P
+from posttrain.core.losses import dpo_loss
 
 F64 = dict(rtol=1e-9, atol=1e-10)
 ls, sg = F.logsigmoid, torch.sigmoid
@@ -422,7 +422,7 @@ def test_loss_errors():
 def test_config_accepts_every_loss_and_lists():
     import typing
 
-    from stages.config import DPOConfig, PreferenceLoss
+    from posttrain.stages.config import DPOConfig, PreferenceLoss
 
     assert set(typing.get_args(PreferenceLoss)) == set(P.DPO_LOSS_TYPES)
     for t in P.DPO_LOSS_TYPES:
@@ -456,7 +456,7 @@ def test_config_accepts_every_loss_and_lists():
 def test_config_refuses_invalid_combinations(kw, key):
     from pydantic import ValidationError
 
-    from stages.config import DPOConfig
+    from posttrain.stages.config import DPOConfig
 
     with pytest.raises((ValueError, ValidationError), match=key):
         DPOConfig(**kw)
@@ -467,9 +467,9 @@ def test_config_refuses_invalid_combinations(kw, key):
 
 @pytest.fixture(scope="module")
 def pair_data(tmp_path_factory):
-    from stages.config import DataPrepConfig
-    from stages.data_prep import prepare
-    from core.tracking import TrackingConfig
+    from posttrain.stages.config import DataPrepConfig
+    from posttrain.stages.data_prep import prepare
+    from posttrain.core.tracking import TrackingConfig
 
     root = tmp_path_factory.mktemp("pref")
     prepare(DataPrepConfig(output_dir=str(root / "data"), synthetic_size=120, tracking=TrackingConfig(enabled=False)))
@@ -483,9 +483,9 @@ def pair_data(tmp_path_factory):
     {"loss_type": "kto", "kto_kl_estimate": "mismatched"},
 ])
 def test_dpo_stage_runs_new_losses(pair_data, kw):
-    from core.tracking import TrackingConfig
-    from stages.config import DPOConfig
-    from stages.dpo import run
+    from posttrain.core.tracking import TrackingConfig
+    from posttrain.stages.config import DPOConfig
+    from posttrain.stages.dpo import run
 
     name = "-".join(f"{k}={v}" for k, v in kw.items()).replace("'", "").replace(" ", "")[:60]
     cfg = DPOConfig(output_dir=str(pair_data / f"dpo-{name}"), model={"name_or_path": "debug"},
@@ -511,10 +511,10 @@ def test_dpo_stage_runs_new_losses(pair_data, kw):
 def test_pair_logps_ld_and_wpo_match_full_logits(padding_free):
     """pair_logps with ld_alpha and wpo (the fused head plus the no-grad log sum p^2 pass) against
     each sequence run alone through the model with its full logits."""
-    from core.data import collate_preference
-    from core.data.encode import PreferencePair
-    from core.model import build_model, get_preset
-    from core.objectives import pair_logps
+    from posttrain.core.data import collate_preference
+    from posttrain.core.data.encode import PreferencePair
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.core.objectives import pair_logps
 
     torch.manual_seed(0)
     model = build_model(get_preset("debug"), seed=0).eval()
@@ -556,9 +556,9 @@ def test_new_losses_under_pipeline_parallelism_match_one_process(tmp_path):
     torchrun trains as one process does."""
     from test_stage_parallel import assert_same_run, dpo_config, in_process, optim, torchrun_stage
 
-    from core.tracking import TrackingConfig
-    from stages.config import DataPrepConfig
-    from stages.data_prep import prepare
+    from posttrain.core.tracking import TrackingConfig
+    from posttrain.stages.config import DataPrepConfig
+    from posttrain.stages.data_prep import prepare
 
     prepare(DataPrepConfig(output_dir=str(tmp_path / "data"), synthetic_size=120,
                            tracking=TrackingConfig(enabled=False)))
@@ -573,11 +573,11 @@ def test_new_losses_under_pipeline_parallelism_match_one_process(tmp_path):
 def test_kto_mismatched_reference_point_in_the_objective():
     """With batch["kto_kl_batch"] (each prompt with the previous pair's responses, as TRL builds
     them) the objective's KTO z0 is kto_kl over the policy's and reference's log-probs of those."""
-    from core.data import collate_preference
-    from core.data.encode import PreferencePair
-    from core.model import build_model, get_preset
-    from core.objectives import dpo_objective, pair_logps
-    from stages.dpo import mismatched_pairs
+    from posttrain.core.data import collate_preference
+    from posttrain.core.data.encode import PreferencePair
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.core.objectives import dpo_objective, pair_logps
+    from posttrain.stages.dpo import mismatched_pairs
 
     policy = build_model(get_preset("debug"), seed=0).eval()
     ref_model = build_model(get_preset("debug"), seed=1).eval()

@@ -1,4 +1,4 @@
-"""Promotion to champion (registry.mlflow_registry.should_promote): past the floors first (beat
+"""Promotion to champion (posttrain.registry.mlflow_registry.should_promote): past the floors first (beat
 the model the candidate was trained from, reach min_score), then beat the champion."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from registry.mlflow_registry import should_promote
+from posttrain.registry.mlflow_registry import should_promote
 
 
 def test_no_champion_is_not_enough_below_the_floors():
@@ -29,8 +29,8 @@ def test_then_the_champion_by_min_delta_in_either_direction():
 
 
 def test_a_named_baseline_must_be_a_node():
-    from core.config import ConfigError, load_config
-    from flows.config import PipelineConfig
+    from posttrain.core.config import ConfigError, load_config
+    from posttrain.flows.config import PipelineConfig
     from tests.pipelines import DEMO_CONFIG
 
     with pytest.raises(ConfigError, match=r"registry\.baseline: 'nobody' is not a node"):

@@ -14,10 +14,10 @@ import torch
 from pydantic import ValidationError
 from torch.nn import functional as F
 
-from core.model import build_model, get_preset
-from core.qat import (QATConfig, dequantize_state, dequantize_weight, eligible, fake_quantizers, prepare_qat,
+from posttrain.core.model import build_model, get_preset
+from posttrain.core.qat import (QATConfig, dequantize_state, dequantize_weight, eligible, fake_quantizers, prepare_qat,
                       quantize_state, quantize_weight, quantized_layers)
-from stages.config import SFTConfig
+from posttrain.stages.config import SFTConfig
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                 reason="torchao not installed (pip install 'posttrain[optim]')")
@@ -47,7 +47,7 @@ def test_a_qat_model_is_torchaos_fake_quantized_model(qat):
     from torchao.quantization.qat import IntxFakeQuantizeConfig
     from torchao.quantization.qat import QATConfig as TorchaoQAT
 
-    from core.qat import weight_config
+    from posttrain.core.qat import weight_config
 
     torch.manual_seed(0)
     ours = build_model(get_preset("debug"))
@@ -72,7 +72,7 @@ def test_a_qat_model_is_torchaos_fake_quantized_model(qat):
 
 
 def test_lora_fake_quantizes_the_merged_weight_and_trains_the_adapter():
-    from core.lora import apply_lora
+    from posttrain.core.lora import apply_lora
 
     qat = QATConfig(weights="int4", group_size=32)
     torch.manual_seed(0)
@@ -120,8 +120,8 @@ from test_stage_parallel import STEPS, in_process, optim, root, sft_config, step
 def test_the_sft_stage_trains_with_qat_and_exports_the_quantized_model(root, lora):
     import json
 
-    from registry.hf import load_pretrained
-    from registry.quantized import load_codes
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.registry.quantized import load_codes
 
     name = f"qat-{'lora' if lora else 'full'}"
     qat = {"weights": "int4", "group_size": 16, "activations": "int8"}
@@ -137,7 +137,7 @@ def test_the_sft_stage_trains_with_qat_and_exports_the_quantized_model(root, lor
     assert scheme["weights"] == "int4" and scheme["activations"] == "int8" and len(scheme["layers"]) == 14
     image = load_pretrained(out / "quantized").state_dict()  # the float image any HF loader reads
     float_model = load_pretrained(out / "model")
-    from core.qat import QATConfig as Q
+    from posttrain.core.qat import QATConfig as Q
 
     q = Q(**qat)
     weight_fq, _ = fake_quantizers(q)

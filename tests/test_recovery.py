@@ -1,8 +1,8 @@
 """What a killed run leaves behind, cleared by the next: MLflow runs left RUNNING by a process
-killed outright end as KILLED (core.tracking.recovery; live runs, other pipelines' runs and runs
+killed outright end as KILLED (posttrain.core.tracking.recovery; live runs, other pipelines' runs and runs
 elsewhere do not), an ephemeral Prefect server whose flow process was killed is stopped
-(flows.recovery), and a stage directory a killed attempt left keeps only its checkpoints
-(core.manifest.clear_partial)."""
+(posttrain.flows.recovery), and a stage directory a killed attempt left keeps only its checkpoints
+(posttrain.core.manifest.clear_partial)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from core.tracking import Tracker, TrackingConfig
-from core.tracking.recovery import HOST_TAG, PID_TAG, end_stale_runs, process_alive, process_tags
+from posttrain.core.tracking import Tracker, TrackingConfig
+from posttrain.core.tracking.recovery import HOST_TAG, PID_TAG, end_stale_runs, process_alive, process_tags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def test_runs_of_a_killed_flow_end_as_killed_on_the_next_run(tmp_path):
     # A "flow" that opens its pipeline run and a stage child run, then is SIGKILLed.
     script = textwrap.dedent(f"""
         import time
-        from core.tracking import Tracker, TrackingConfig
+        from posttrain.core.tracking import Tracker, TrackingConfig
         cfg = TrackingConfig(tracking_uri={uri!r})
         parent = Tracker(cfg, "pipe", tags={{"posttrain.pipeline": "pipe"}})
         parent.flush(60)
@@ -95,7 +95,7 @@ def test_an_unreachable_tracking_server_only_skips_the_clean_up(caplog, monkeypa
 
 
 def test_clear_partial_keeps_only_the_checkpoints(tmp_path):
-    from core.manifest import CHECKPOINTS, ManifestError, clear_partial, write_manifest
+    from posttrain.core.manifest import CHECKPOINTS, ManifestError, clear_partial, write_manifest
 
     out = tmp_path / "stage"
     (out / CHECKPOINTS / "step-000003").mkdir(parents=True)
@@ -116,14 +116,14 @@ def test_clear_partial_keeps_only_the_checkpoints(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_an_ephemeral_server_left_by_a_killed_flow_is_stopped(tmp_path):
-    from flows.recovery import SERVER_APP, reap_orphaned_servers
+    from posttrain.flows.recovery import SERVER_APP, reap_orphaned_servers
 
     records = tmp_path / "servers"
     # A "flow" with a child that looks like Prefect's ephemeral server; it notes it, then is SIGKILLed.
     script = textwrap.dedent(f"""
         import subprocess, sys, time
         from pathlib import Path
-        from flows.recovery import reap_orphaned_servers
+        from posttrain.flows.recovery import reap_orphaned_servers
         server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", {SERVER_APP!r}])
         print(server.pid, reap_orphaned_servers(Path({str(records)!r})), flush=True)
         time.sleep(600)

@@ -27,10 +27,10 @@ def sha256(path: Path) -> str:
 def reg(tmp_path_factory):
     from mlflow import MlflowClient
 
-    from core.model import build_model, get_preset
-    from registry.byte_tokenizer import byte_tokenizer
-    from registry.hf import save_pretrained
-    from registry.mlflow_registry import RegistryConfig, register_and_promote
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.byte_tokenizer import byte_tokenizer
+    from posttrain.registry.hf import save_pretrained
+    from posttrain.registry.mlflow_registry import RegistryConfig, register_and_promote
 
     root = tmp_path_factory.mktemp("regmodel")
     uri = f"sqlite:///{root / 'mlflow.db'}"
@@ -80,9 +80,9 @@ def tracking(reg, monkeypatch):
 def direct(hf: Path, prompts: list[str], max_new_tokens: int, chat: bool = True) -> list[str]:
     """Greedy completions with the project's loader, tokenizer and generate (no MLflow): the
     prompt as a user turn through the chat template, or as plain text (no BOS/EOS here)."""
-    from core.model.generate import SamplingParams, generate
-    from registry.hf import load_pretrained
-    from registry.tokenizer import Tokenizer
+    from posttrain.core.model.generate import SamplingParams, generate
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.registry.tokenizer import Tokenizer
 
     model, tok = load_pretrained(hf).eval(), Tokenizer.from_pretrained(hf)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) if chat
@@ -121,7 +121,7 @@ def test_the_version_is_a_logged_model_with_a_signature(reg):
     assert m.flavors["python_function"]["artifacts"]["hf"]["path"] == "artifacts/hf" and not hf.is_symlink()
     for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert sha256(hf / f) == sha256(reg.hf / f), f  # the HF files, unchanged
-    assert (local / "code" / "registry" / "mlflow_model.py").exists()  # loads without the repo
+    assert (local / "code" / "posttrain" / "registry" / "mlflow_model.py").exists()  # loads without the repo
 
 
 def test_pyfunc_load_and_predict_is_the_projects_greedy_generate(reg, tracking):
@@ -176,9 +176,9 @@ def test_datasets_are_inputs_with_digests_and_the_metrics_are_the_models(reg):
 
 
 def test_fetch_registered_gives_the_hf_directory_to_load(reg):
-    from registry.hf import load_pretrained
-    from registry.mlflow_registry import fetch_registered
-    from registry.tokenizer import Tokenizer
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.registry.mlflow_registry import fetch_registered
+    from posttrain.registry.tokenizer import Tokenizer
 
     local, ident = fetch_registered(reg.uri, "models:/tiny@candidate", reg.root / "cache")
     assert ident == f"tiny/v{reg.mv.version} run {reg.parent}"
@@ -192,7 +192,7 @@ def test_fetch_registered_gives_the_hf_directory_to_load(reg):
 
 def test_registering_without_runs_or_datasets(reg, tmp_path):
     """The flow before it passes `runs` and `datasets`: digests only, no inputs, still a model."""
-    from registry.mlflow_registry import RegistryConfig, register_and_promote
+    from posttrain.registry.mlflow_registry import RegistryConfig, register_and_promote
 
     run = reg.client.create_run(reg.client.get_experiment_by_name("posttrain").experiment_id).info.run_id
     source = {"evaluate": "evaluate", "model_dir": str(reg.hf), "model_name": "student",
@@ -208,12 +208,12 @@ def test_an_adapter_is_registered_merged_into_its_base(reg, tracking):
     """A PEFT adapter directory (a LoRA stage's `adapter/`) is registered as its base with the
     adapter merged (artifact hf, the tokenizer from the base) and the adapter's own files kept
     (artifact adapter); predict is the base + adapter's greedy generate."""
-    from core.lora import apply_lora
-    from core.model.generate import SamplingParams, generate
-    from registry.adapters import load_adapter, save_adapter
-    from registry.hf import load_pretrained
-    from registry.mlflow_registry import RegistryConfig, register_and_promote
-    from registry.tokenizer import Tokenizer
+    from posttrain.core.lora import apply_lora
+    from posttrain.core.model.generate import SamplingParams, generate
+    from posttrain.registry.adapters import load_adapter, save_adapter
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.registry.mlflow_registry import RegistryConfig, register_and_promote
+    from posttrain.registry.tokenizer import Tokenizer
 
     model = load_pretrained(reg.hf)
     apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"])

@@ -10,9 +10,9 @@ from pathlib import Path
 def test_a_registry_reference_is_fetched_and_keys_the_cache(tmp_path):
     from mlflow import MlflowClient
 
-    from flows.config import PipelineConfig
-    from flows.dag import PipelineDAG
-    from flows.pipeline import plan_node
+    from posttrain.flows.config import PipelineConfig
+    from posttrain.flows.dag import PipelineDAG
+    from posttrain.flows.pipeline import plan_node
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)

@@ -1,6 +1,6 @@
 """Faults injected into one process: NaN and spiking steps (skip, rollback, data moves on),
-preemption by SIGTERM, corrupt checkpoints, full disks through core.loop.fit;
-and the pieces of core.reliability on their own (spike detector, flight recorder, signal handler,
+preemption by SIGTERM, corrupt checkpoints, full disks through posttrain.core.loop.fit;
+and the pieces of posttrain.core.reliability on their own (spike detector, flight recorder, signal handler,
 hang watchdog). Multi-process faults (a killed rank, a hung rank, a real SIGTERM) and
 a dead MLflow server are in tests/test_faults.py."""
 
@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import core.checkpoint.writer as ckpt_writer
-from core.checkpoint import CheckpointError, CheckpointManager
-from core.config import ConfigError, load_config
-from core.reliability.config import ReliabilityConfig
-from stages.config import SFTConfig
-from core.loop import fit
-from core.reliability import (
+import posttrain.core.checkpoint.writer as ckpt_writer
+from posttrain.core.checkpoint import CheckpointError, CheckpointManager
+from posttrain.core.config import ConfigError, load_config
+from posttrain.core.reliability.config import ReliabilityConfig
+from posttrain.stages.config import SFTConfig
+from posttrain.core.loop import fit
+from posttrain.core.reliability import (
     EXIT_PREEMPTED, FlightRecorder, Preempted, Preemption, Reliability, SpikeDetector,
     TrainingDiverged, Watchdog,
 )

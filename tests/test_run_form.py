@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from core.config import load_config
-from core.titles import field_title, model_title
-from flows.config import PipelineConfig
-from flows.form import SERVE_ONLY, form_schema, run_parameters, summary
+from posttrain.core.config import load_config
+from posttrain.core.titles import field_title, model_title
+from posttrain.flows.config import PipelineConfig
+from posttrain.flows.form import SERVE_ONLY, form_schema, run_parameters, summary
 from tests.pipelines import DEMO_CONFIG
 
 
@@ -33,7 +33,7 @@ def schema(cfg) -> dict:
 def generic_schema() -> dict:
     from prefect.utilities.callables import parameter_schema
 
-    from flows.pipeline import post_training
+    from posttrain.flows.pipeline import post_training
 
     return parameter_schema(post_training.fn).model_dump()
 
@@ -116,7 +116,7 @@ def test_optional_is_left_only_on_lists_and_mappings(schema):
 
 @pytest.mark.slow
 def test_no_serve_time_fields_in_the_run_form(cfg, schema):
-    from flows.deploy import build_deployments
+    from posttrain.flows.deploy import build_deployments
 
     for s in (schema, generic_schema()):
         assert not set(SERVE_ONLY) & set(s["definitions"]["PipelineConfig"]["properties"])
@@ -149,7 +149,7 @@ def test_one_section_per_node_everyday_knobs_first(cfg, schema):
 
 
 def test_summary_lists_each_node(cfg):
-    from flows.deploy import build_deployments
+    from posttrain.flows.deploy import build_deployments
 
     text = summary(cfg)
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| Node")]
@@ -221,7 +221,7 @@ def deployment(prefect_api, cfg, tmp_path_factory):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.deploy import ON_DEMAND, build_deployments
+    from posttrain.flows.deploy import ON_DEMAND, build_deployments
 
     url, _ = prefect_api
     served = cfg.model_copy(update={"workspace": str(tmp_path_factory.mktemp("runs"))})
@@ -253,7 +253,7 @@ def test_the_server_refuses_an_invalid_value_when_the_run_is_created(deployment)
 def test_a_cross_field_error_fails_the_run_at_once_naming_the_path(deployment):
     from prefect.flow_engine import run_flow
 
-    from flows.pipeline import post_training
+    from posttrain.flows.pipeline import post_training
 
     client, dep = deployment
     params = copy.deepcopy(dep.parameters)

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from core.config import ConfigModel
+from posttrain.core.config import ConfigModel
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "kernels", "stages", "flows", "registry", "benchmarks")
-SCHEMA_MODULES = ("core.model.config", "core.lora.config", "core.parallel.config", "core.optim",
-                  "core.data.config", "core.checkpoint.config", "core.reliability.config", "core.tracking.config",
-                  "stages.launch.config", "stages.config", "flows.config", "registry.mlflow_registry")
+SCHEMA_MODULES = ("posttrain.core.model.config", "posttrain.core.lora.config", "posttrain.core.parallel.config", "posttrain.core.optim",
+                  "posttrain.core.data.config", "posttrain.core.checkpoint.config", "posttrain.core.reliability.config", "posttrain.core.tracking.config",
+                  "posttrain.stages.launch.config", "posttrain.stages.config", "posttrain.flows.config", "posttrain.registry.mlflow_registry")
 
 
 def schemas() -> list[type[ConfigModel]]:
@@ -32,7 +32,7 @@ def schemas() -> list[type[ConfigModel]]:
     seen, todo = [], list(ConfigModel.__subclasses__())
     while todo:
         cls = todo.pop()
-        if cls not in seen and cls.__module__.split(".")[0] in PACKAGES:
+        if cls not in seen and cls.__module__.startswith("posttrain."):
             seen.append(cls)
         todo.extend(cls.__subclasses__())
     return sorted(seen, key=lambda c: c.__qualname__)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.dag import PipelineDAG, Upstream
+from posttrain.flows.dag import PipelineDAG, Upstream
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".venv", ".git", "node_modules", "build", "dist", "__pycache__", ".hypothesis", "runs", "outputs"}
@@ -100,7 +100,7 @@ def test_no_pickle_is_loaded_by_the_product():
 
 
 def test_yaml_is_read_safely_and_nothing_is_evaluated():
-    from core.config import _Yaml12Loader
+    from posttrain.core.config import _Yaml12Loader
 
     assert issubclass(_Yaml12Loader, yaml.SafeLoader)
     safe = {"yaml.SafeLoader", "yaml.CSafeLoader", "SafeLoader", "_Yaml12Loader"}
@@ -123,7 +123,7 @@ def test_trust_remote_code_is_never_used():
 def test_chat_templates_run_sandboxed():
     from data_fixtures import make_tokenizer
 
-    from registry.tokenizer import ChatTemplateError
+    from posttrain.registry.tokenizer import ChatTemplateError
 
     tok = make_tokenizer()
     tok.chat_templates["default"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
@@ -134,8 +134,8 @@ def test_chat_templates_run_sandboxed():
 # ------------------------------------------------------------------------------ servers and infra
 
 def test_ui_servers_bind_localhost_by_default(monkeypatch):
-    import flows.ui as ui
-    from flows.cli import build_parser
+    import posttrain.flows.ui as ui
+    from posttrain.flows.cli import build_parser
 
     assert build_parser().parse_args(["ui"]).host == "127.0.0.1"
     started: list[tuple[list[str], dict]] = []
@@ -163,7 +163,7 @@ def test_ui_servers_bind_localhost_by_default(monkeypatch):
 
 
 def _secret_like(key: str) -> bool:
-    from core.tracking import is_secret_key
+    from posttrain.core.tracking import is_secret_key
 
     return is_secret_key(key) and not key.lower().startswith("existing")  # a Secret's name, not its value
 
@@ -222,8 +222,8 @@ SECRETS = {"hf": "hf_SECRETtoken123", "aws": "AKIAsecretvalue", "pw": "hunter2pw
 
 
 def _secret_config():
-    from core.config import load_config
-    from flows.config import PipelineConfig
+    from posttrain.core.config import load_config
+    from posttrain.flows.config import PipelineConfig
     from tests.pipelines import DEMO_CONFIG
 
     return load_config(PipelineConfig, DEMO_CONFIG, overrides=[
@@ -240,8 +240,8 @@ def _spec(cfg, name: str):
 
 
 def test_secrets_are_masked_in_logged_params():
-    from core.config import dump_config
-    from core.tracking import flatten_params, mask_secrets
+    from posttrain.core.config import dump_config
+    from posttrain.core.tracking import flatten_params, mask_secrets
 
     cfg = _secret_config()
     params = flatten_params(dump_config(cfg))  # what stage_run logs to MLflow
@@ -256,8 +256,8 @@ def test_secrets_are_masked_in_logged_params():
 
 
 def test_stage_manifest_stores_no_secrets(tmp_path):
-    from core.config import dump_config
-    from core.manifest import write_manifest
+    from posttrain.core.config import dump_config
+    from posttrain.core.manifest import write_manifest
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "weights.bin").write_bytes(b"x")
@@ -268,7 +268,7 @@ def test_stage_manifest_stores_no_secrets(tmp_path):
 
 
 def test_stage_spec_file_is_private(tmp_path):
-    from core.config import to_json_file
+    from posttrain.core.config import to_json_file
 
     path = to_json_file(_spec(_secret_config(), "student"), tmp_path / "spec.json")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it must hold the tokens; only its owner reads it
@@ -277,10 +277,10 @@ def test_stage_spec_file_is_private(tmp_path):
 # ------------------------------------------------------------------------------ names and paths
 
 def test_adapter_names_cannot_escape(tmp_path):
-    from core.lora.config import LoRAConfig
-    from core.lora import apply_lora
-    from core.model import build_model, get_preset
-    from registry.adapters import load_adapter, save_adapter
+    from posttrain.core.lora.config import LoRAConfig
+    from posttrain.core.lora import apply_lora
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.adapters import load_adapter, save_adapter
 
     model = build_model(get_preset("debug"))
     apply_lora(model, LoRAConfig(enabled=True, rank=2))
@@ -298,7 +298,7 @@ def test_adapter_names_cannot_escape(tmp_path):
 
 @pytest.mark.parametrize("bad", ["../x", "a/../../x", "/etc/x", "C:/x", "a\\..\\b", "x\x00"])
 def test_mlflow_artifact_paths_stay_in_the_run(bad):
-    from core.tracking import Tracker, check_artifact_path
+    from posttrain.core.tracking import Tracker, check_artifact_path
 
     assert check_artifact_path("plots/loss.png") == "plots/loss.png" and check_artifact_path(None) is None
     with pytest.raises(ValueError, match="inside the run's artifacts"):
@@ -311,8 +311,8 @@ def test_mlflow_artifact_paths_stay_in_the_run(bad):
 
 
 def test_config_paths_and_names_stay_in_the_workspace():
-    from core.config import ConfigError, load_config
-    from flows.config import PipelineConfig
+    from posttrain.core.config import ConfigError, load_config
+    from posttrain.flows.config import PipelineConfig
     from tests.pipelines import DEMO_CONFIG
 
     for item in ["name=../x", "name=a/b", "workspace=runs/../..", "nodes.teacher.output_dir=../../x",
@@ -340,10 +340,10 @@ def test_slurm_script_cannot_be_injected():
     key would be a shell command. Both are refused; env values are quoted."""
     import shlex
 
-    from core.config import ConfigError, load_config
-    from flows.config import PipelineConfig
-    from stages.launch.config import LauncherConfig
-    from stages.launch import render_sbatch
+    from posttrain.core.config import ConfigError, load_config
+    from posttrain.flows.config import PipelineConfig
+    from posttrain.stages.launch.config import LauncherConfig
+    from posttrain.stages.launch import render_sbatch
 
     from tests.pipelines import DEMO_CONFIG
 

@@ -10,9 +10,9 @@ import copy
 import pytest
 import torch
 
-from core.model import build_model, get_preset
-from core.model.config import ModelConfig
-from core.parallel.data_parallel import apply_activation_checkpointing
+from posttrain.core.model import build_model, get_preset
+from posttrain.core.model.config import ModelConfig
+from posttrain.core.parallel.data_parallel import apply_activation_checkpointing
 
 
 def saved_bytes_and_grads(model, ids):

@@ -1,4 +1,4 @@
-"""`posttrain serve-model` (stages.serving): a real uvicorn server on 127.0.0.1, talked to with the
+"""`posttrain serve-model` (posttrain.stages.serving): a real uvicorn server on 127.0.0.1, talked to with the
 official `openai` client and raw HTTP. The debug preset with random weights (a large init, so
 greedy ties are unlikely) and the byte-level tokenizer; two LoRA adapters with random B saved in
 PEFT format and loaded back onto one base. Greedy answers are compared token for token with the
@@ -17,12 +17,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.generation import Engine, RequestParams
-from core.lora import apply_lora
-from core.model import build_model, get_preset
-from registry.byte_tokenizer import byte_tokenizer
-from registry.adapters import save_adapter
-from stages.serving.server import EngineSettings, load_adapters, make_state, parse_adapters, serve
+from posttrain.core.generation import Engine, RequestParams
+from posttrain.core.lora import apply_lora
+from posttrain.core.model import build_model, get_preset
+from posttrain.registry.byte_tokenizer import byte_tokenizer
+from posttrain.registry.adapters import save_adapter
+from posttrain.stages.serving.server import EngineSettings, load_adapters, make_state, parse_adapters, serve
 
 openai = pytest.importorskip("openai")
 
@@ -76,7 +76,7 @@ class Server:
     def _run(self):
         import uvicorn
 
-        from stages.serving.app import build_app
+        from posttrain.stages.serving.app import build_app
 
         self.uvicorn = uvicorn.Server(uvicorn.Config(build_app(self.state), log_level="warning", lifespan="off"))
         try:
@@ -102,7 +102,7 @@ class Server:
 
 
 def _adapter_list(model):
-    from core.lora.model import adapter_names
+    from posttrain.core.lora.model import adapter_names
 
     return adapter_names(model)
 
@@ -399,7 +399,7 @@ def test_metrics_move_after_requests(server):
 
 
 def test_cli_parses_serve_model_and_binds_localhost():
-    from flows.cli import build_parser
+    from posttrain.flows.cli import build_parser
 
     args = build_parser().parse_args(["serve-model", "debug"])
     assert (args.host, args.port, args.max_queue, args.adapters) == ("127.0.0.1", 8000, 64, None)
@@ -423,7 +423,7 @@ def start_serve_model(argv: list[str], cwd, env: dict | None = None, timeout: fl
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
            **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", *argv, "--port", str(port)], cwd=cwd,
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "serve-model", *argv, "--port", str(port)], cwd=cwd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:

@@ -1,4 +1,4 @@
-"""`posttrain serve-model MOE --ep K` (stages.serving.tp, layout "ep"): one replica whose MoE layers
+"""`posttrain serve-model MOE --ep K` (posttrain.stages.serving.tp, layout "ep"): one replica whose MoE layers
 hold 1/K of the experts on each of K processes, the other layers whole on each. Fast: flags the
 model cannot take are refused before anything starts. On 2 gloo ranks: the split keeps each
 rank's half of the experts, and the split model's logits equal the whole model's. A real --ep 2
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from core.generation import RequestParams
+from posttrain.core.generation import RequestParams
 
 # ------------------------------------------------------------------ fast checks
 
@@ -26,7 +26,7 @@ from core.generation import RequestParams
     (["debug-moe", "--ep", "0"], "--ep must be at least 1"),
 ])
 def test_an_ep_the_model_cannot_take_is_refused_before_anything_starts(argv, msg, capsys):
-    from flows.cli import main
+    from posttrain.flows.cli import main
 
     t0 = time.time()
     assert main(["serve-model", *argv]) == 2
@@ -35,7 +35,7 @@ def test_an_ep_the_model_cannot_take_is_refused_before_anything_starts(argv, msg
 
 
 def _moe_args():
-    from core.model import get_preset
+    from posttrain.core.model import get_preset
 
     return get_preset("debug-moe", initializer_range=0.2)  # a large init: no greedy ties
 
@@ -46,11 +46,11 @@ def _split_on_each_rank():
 
     import torch.distributed as dist
 
-    from core.model import build_model
-    from core.model.moe import MoE
-    from core.parallel.config import ParallelConfig
-    from core.parallel.mesh import init_distributed
-    from stages.serving.tp import LAYOUTS
+    from posttrain.core.model import build_model
+    from posttrain.core.model.moe import MoE
+    from posttrain.core.parallel.config import ParallelConfig
+    from posttrain.core.parallel.mesh import init_distributed
+    from posttrain.stages.serving.tp import LAYOUTS
 
     mesh, _ = init_distributed(ParallelConfig(**LAYOUTS["ep"].config(2), device="cpu"))
     whole = build_model(_moe_args(), seed=0).eval()
@@ -89,9 +89,9 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """debug-moe (Mixtral-shaped: 4 experts, top-2) with the byte tokenizer, saved as an HF checkpoint."""
-    from core.model import build_model
-    from registry.byte_tokenizer import byte_tokenizer
-    from registry.hf import save_pretrained
+    from posttrain.core.model import build_model
+    from posttrain.registry.byte_tokenizer import byte_tokenizer
+    from posttrain.registry.hf import save_pretrained
 
     path = tmp_path_factory.mktemp("moe") / "model"
     save_pretrained(build_model(_moe_args(), seed=0), path)
@@ -102,9 +102,9 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     """The one-process engine on the same checkpoint: (token lists, log-prob lists, texts)."""
-    from core.generation import Engine
-    from registry.hf import load_pretrained
-    from registry.tokenizer import Tokenizer
+    from posttrain.core.generation import Engine
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.registry.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(checkpoint)
     engine = Engine(load_pretrained(checkpoint).eval(), max_num_seqs=4, block_size=16,

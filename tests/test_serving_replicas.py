@@ -21,8 +21,8 @@ import httpx
 import pytest
 import yaml
 
-from stages.serving.frontend import Supervisor, build_frontend
-from stages.serving.routing import Router, estimate_cost
+from posttrain.stages.serving.frontend import Supervisor, build_frontend
+from posttrain.stages.serving.routing import Router, estimate_cost
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "replica-key-1"
@@ -110,7 +110,7 @@ def test_cost_estimates():
     (["--replicas", "2", "--adapters", "a=/no/such/adapter"], "no such directory"),
 ])
 def test_bad_serve_model_flags_fail_before_anything_starts(argv, msg, capsys):
-    from flows.cli import main
+    from posttrain.flows.cli import main
 
     t0 = time.time()
     assert main(["serve-model", "debug", *argv]) == 2
@@ -118,7 +118,7 @@ def test_bad_serve_model_flags_fail_before_anything_starts(argv, msg, capsys):
 
 
 def test_an_unknown_routing_policy_is_an_argparse_error(capsys):
-    from flows.cli import build_parser
+    from posttrain.flows.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve-model", "debug", "--routing", "random"])
@@ -359,9 +359,9 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """The debug preset with a large init (no greedy ties) and the byte tokenizer, saved as a checkpoint."""
-    from core.model import build_model, get_preset
-    from registry.byte_tokenizer import byte_tokenizer
-    from registry.hf import save_pretrained
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.byte_tokenizer import byte_tokenizer
+    from posttrain.registry.hf import save_pretrained
 
     path = tmp_path_factory.mktemp("ckpt") / "model"
     save_pretrained(build_model(get_preset("debug", initializer_range=0.2), seed=0), path)
@@ -372,9 +372,9 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     """Greedy tokens of the in-process engine on the same checkpoint."""
-    from core.generation import Engine, RequestParams
-    from registry.hf import load_pretrained
-    from registry.tokenizer import Tokenizer
+    from posttrain.core.generation import Engine, RequestParams
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.registry.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(checkpoint)
     engine = Engine(load_pretrained(checkpoint).eval(), max_num_seqs=4, block_size=16,
@@ -395,7 +395,7 @@ def replicas(checkpoint, tmp_path_factory):
     (port,) = free_ports(1)
     logf = open(tmp_path_factory.mktemp("serve") / "serve.log", "w+")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", str(checkpoint), "--replicas", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "serve-model", str(checkpoint), "--replicas", "2",
                              "--port", str(port), "--served-model-name", "debug", "--max-queue", "32"],
                             env=env, stdout=logf, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

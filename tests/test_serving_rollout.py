@@ -30,7 +30,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server():
-    from registry.byte_tokenizer import byte_tokenizer
+    from posttrain.registry.byte_tokenizer import byte_tokenizer
 
     s = Server(fresh_model(), byte_tokenizer(512))
     yield s
@@ -106,8 +106,8 @@ class FakeFrontend:
     def __init__(self, model="ok", n=2):
         import uvicorn
 
-        from stages.serving.frontend import Supervisor, build_frontend
-        from stages.serving.routing import Router
+        from posttrain.stages.serving.frontend import Supervisor, build_frontend
+        from posttrain.stages.serving.routing import Router
 
         def resolve(ref):
             if ref not in self.MODES:
@@ -204,9 +204,9 @@ def test_a_model_that_does_not_come_up_is_rolled_back(fake):
 
 
 def save_checkpoint(path: Path, seed: int) -> Path:
-    from core.model import build_model, get_preset
-    from registry.byte_tokenizer import byte_tokenizer
-    from registry.hf import save_pretrained
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.byte_tokenizer import byte_tokenizer
+    from posttrain.registry.hf import save_pretrained
 
     save_pretrained(build_model(get_preset("debug", initializer_range=0.2), seed=seed), path)
     byte_tokenizer(512).save_pretrained(path)
@@ -214,9 +214,9 @@ def save_checkpoint(path: Path, seed: int) -> Path:
 
 
 def greedy_texts(checkpoint: Path, prompts: list[str], max_tokens: int) -> dict[str, str]:
-    from core.generation import Engine, RequestParams
-    from registry.hf import load_pretrained
-    from registry.tokenizer import Tokenizer
+    from posttrain.core.generation import Engine, RequestParams
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.registry.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(checkpoint)
     engine = Engine(load_pretrained(checkpoint).eval(), max_num_seqs=4, block_size=16)
@@ -241,7 +241,7 @@ def test_a_rolling_update_under_load_fails_no_request(tmp_path):
     url = f"http://127.0.0.1:{port}"
     logf = open(tmp_path / "serve.log", "w+")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", str(current), "--replicas", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "serve-model", str(current), "--replicas", "2",
                              "--port", str(port), "--served-model-name", "debug", "--drain-timeout", "20"],
                             env=env, stdout=logf, stderr=subprocess.STDOUT)
 

@@ -1,4 +1,4 @@
-"""`posttrain serve-model --tp K` (stages.serving.tp): one replica split by tensor parallelism over
+"""`posttrain serve-model --tp K` (posttrain.stages.serving.tp): one replica split by tensor parallelism over
 K processes. A real server with --tp 2 on CPU (gloo), started by the CLI as a user starts it and
 talked to with the official `openai` client. Its answers are compared token for token with the
 engine run in one process on the same checkpoint: greedy, through a LoRA adapter, streamed,
@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from core.generation import RequestParams
+from posttrain.core.generation import RequestParams
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "tp-key-1"
@@ -37,7 +37,7 @@ KEY = "tp-key-1"
     (["--tp", "3", "--replicas", "2"], "--tp 3: tp=3 does not divide"),
 ])
 def test_a_tp_that_does_not_split_the_model_is_refused_before_anything_starts(argv, msg, capsys):
-    from flows.cli import main
+    from posttrain.flows.cli import main
 
     t0 = time.time()
     assert main(["serve-model", "debug", *argv]) == 2
@@ -47,7 +47,7 @@ def test_a_tp_that_does_not_split_the_model_is_refused_before_anything_starts(ar
 
 
 def test_request_params_survive_the_message_encoding():
-    from stages.serving.tp import decode_params, encode_params
+    from posttrain.stages.serving.tp import decode_params, encode_params
 
     p = RequestParams(max_tokens=7, temperature=0.7, top_k=3, top_p=0.9, min_p=0.05, stop_token_ids=(1, 2),
                       stop=("\n\n", "END"), seed=2 ** 62 + 5, n=2, logprobs=False, top_logprobs=2, adapter="a")
@@ -95,9 +95,9 @@ def running(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """The debug preset with a large init (no greedy ties) and the byte tokenizer, saved as a checkpoint."""
-    from core.model import build_model, get_preset
-    from registry.byte_tokenizer import byte_tokenizer
-    from registry.hf import save_pretrained
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.byte_tokenizer import byte_tokenizer
+    from posttrain.registry.hf import save_pretrained
 
     path = tmp_path_factory.mktemp("ckpt") / "model"
     save_pretrained(build_model(get_preset("debug", initializer_range=0.2), seed=0), path)
@@ -110,9 +110,9 @@ def adapter(checkpoint, tmp_path_factory):
     """A LoRA adapter with random B (so it changes the answers), saved in PEFT format."""
     import torch
 
-    from core.lora import apply_lora
-    from registry.adapters import save_adapter
-    from registry.hf import load_pretrained
+    from posttrain.core.lora import apply_lora
+    from posttrain.registry.adapters import save_adapter
+    from posttrain.registry.hf import load_pretrained
 
     model = load_pretrained(checkpoint)
     torch.manual_seed(1)
@@ -128,11 +128,11 @@ def adapter(checkpoint, tmp_path_factory):
 def reference(checkpoint, adapter):
     """The single-process engine on the same checkpoint: (token lists, log-prob lists, texts) of
     one request."""
-    from core.generation import Engine
-    from registry.hf import load_pretrained
-    from registry.tokenizer import Tokenizer
+    from posttrain.core.generation import Engine
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.registry.tokenizer import Tokenizer
 
-    from stages.serving.server import load_adapters
+    from posttrain.stages.serving.server import load_adapters
 
     tok = Tokenizer.from_pretrained(checkpoint)
     model = load_pretrained(checkpoint)
@@ -158,7 +158,7 @@ class TPServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w+")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", str(checkpoint), *flags,
+        self.proc = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "serve-model", str(checkpoint), *flags,
                                       "--port", str(self.port), "--served-model-name", "debug", "--max-num-seqs", "8",
                                       *(["--adapters", f"a={adapter}"] if adapter else [])],
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -362,7 +362,7 @@ def test_tp_composes_with_replicas(checkpoint, reference, tmp_path):
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", str(checkpoint), "--tp", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "serve-model", str(checkpoint), "--tp", "2",
                              "--replicas", "2", "--port", str(port), "--served-model-name", "debug"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

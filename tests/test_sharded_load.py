@@ -1,6 +1,6 @@
 """Sharded loading: a policy built on the meta device, given LoRA, parallelized, then materialized
-with only this rank's shards (stages.common.load_model(meta=True) -> apply_lora ->
-stages.recipe.parallelize_policy -> materialize_model, open_session's order) holds, gathered,
+with only this rank's shards (posttrain.stages.common.load_model(meta=True) -> apply_lora ->
+posttrain.stages.recipe.parallelize_policy -> materialize_model, open_session's order) holds, gathered,
 exactly what load_pretrained (+ apply_lora) gives one process, bit for bit.
 
 Checkpoints are tiny HF models made with transformers: Llama-shaped (tied embeddings, llama3
@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from core.model.config import ModelConfig
-from registry.hf import CheckpointError, load_pretrained
+from posttrain.core.model.config import ModelConfig
+from posttrain.registry.hf import CheckpointError, load_pretrained
 from tests.hf_models import FAMILIES, make_hf_model
 from tests.parallel._dist import TOL, run_ranks
 
@@ -40,15 +40,15 @@ def checkpoints(tmp_path_factory):
 
 
 def stage_config(source: str, parallel: dict, lora: dict | None):
-    from stages.config import SFTConfig
+    from posttrain.stages.config import SFTConfig
 
     return SFTConfig(model={"name_or_path": source}, parallel=parallel, lora=lora or {})
 
 
 def old_path(cfg):
     """open_session before sharded loading: the whole model on every rank, then LoRA."""
-    from core.lora import apply_lora
-    from stages.common import load_model
+    from posttrain.core.lora import apply_lora
+    from posttrain.stages.common import load_model
 
     torch.manual_seed(cfg.seed)
     model, _ = load_model(cfg.model, torch.device("cpu"), cfg.seed)
@@ -59,9 +59,9 @@ def old_path(cfg):
 
 def new_path(cfg, d):
     """open_session's order: meta -> LoRA -> parallelize -> this rank's shards."""
-    from core.lora import apply_lora
-    from stages.common import load_model, load_on_meta, materialize_model
-    from stages.recipe import parallelize_policy
+    from posttrain.core.lora import apply_lora
+    from posttrain.stages.common import load_model, load_on_meta, materialize_model
+    from posttrain.stages.recipe import parallelize_policy
 
     assert load_on_meta(cfg.lora)
     torch.manual_seed(cfg.seed)
@@ -77,11 +77,11 @@ def _load_everything(root: str, parallel: dict) -> dict:
     """On each rank, every case loaded the new way and compared with the old way: this rank's
     part of each tensor and, on rank 0, the gathered state (the keys whose values differ at all);
     the loss on a batch against the old model's; the bytes read of each checkpoint tensor."""
-    from core.parallel import full_state_dict
-    from core.parallel.config import ParallelConfig
-    from core.parallel.materialize import local_part
-    from registry.hf_sharded import load_sharded
-    from stages.common import start_distributed
+    from posttrain.core.parallel import full_state_dict
+    from posttrain.core.parallel.config import ParallelConfig
+    from posttrain.core.parallel.materialize import local_part
+    from posttrain.registry.hf_sharded import load_sharded
+    from posttrain.stages.common import start_distributed
     from tests.parallel._dist import batch, dp_reference_loss, par_loss_fn
 
     d = start_distributed(ParallelConfig(backend="gloo", device="cpu"))
@@ -186,7 +186,7 @@ def test_each_fsdp_rank_reads_only_its_half(runs, checkpoints):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_one_process_load_equals_load_pretrained(tmp_path, family):
-    from stages.common import load_model, materialize_model
+    from posttrain.stages.common import load_model, materialize_model
 
     make_hf_model(family, tmp_path)
     want = load_pretrained(tmp_path)
@@ -203,7 +203,7 @@ def test_one_process_load_equals_load_pretrained(tmp_path, family):
 
 
 def test_one_process_bf16_and_preset():
-    from stages.common import load_model, materialize_model
+    from posttrain.stages.common import load_model, materialize_model
 
     for cfg in (ModelConfig(name_or_path="debug"), ModelConfig(name_or_path="debug", dtype="bfloat16")):
         want, _ = load_model(cfg, torch.device("cpu"), seed=3)
@@ -213,8 +213,8 @@ def test_one_process_bf16_and_preset():
 
 
 def test_adapters_reading_the_base_load_whole():
-    from core.lora.config import LoRAConfig
-    from stages.common import load_on_meta
+    from posttrain.core.lora.config import LoRAConfig
+    from posttrain.stages.common import load_on_meta
 
     assert load_on_meta(LoRAConfig()) and load_on_meta(LoRAConfig(enabled=True))
     for kw in ({"quantize_base": "nf4"}, {"use_dora": True}, {"init_lora_weights": "pissa"}):
@@ -225,7 +225,7 @@ def test_bad_checkpoints_fail_as_load_pretrained_does(tmp_path):
     """Names and shapes are checked from the headers, with load_pretrained's messages."""
     from safetensors.torch import load_file, save_file
 
-    from stages.common import load_model, materialize_model
+    from posttrain.stages.common import load_model, materialize_model
 
     make_hf_model("qwen2", tmp_path / "good")
     tensors = load_file(tmp_path / "good" / "model.safetensors")
@@ -250,8 +250,8 @@ def test_bad_checkpoints_fail_as_load_pretrained_does(tmp_path):
 
 def test_checkpoint_in_several_files(tmp_path):
     """An index and shard files (save_pretrained's split): each tensor is read from its file."""
-    from registry.hf import save_pretrained
-    from stages.common import load_model, materialize_model
+    from posttrain.registry.hf import save_pretrained
+    from posttrain.stages.common import load_model, materialize_model
 
     make_hf_model("qwen2", tmp_path / "hf")
     want = load_pretrained(tmp_path / "hf")
@@ -265,11 +265,11 @@ def test_checkpoint_in_several_files(tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2_moe"])  # tied head; qkv bias; experts + shared gate
 def test_qlora_from_a_checkpoint_is_quantized_as_it_is_read(tmp_path, family):
-    """QLoRA on a checkpoint (stages.common.load_quantized): built on meta, each targeted weight
+    """QLoRA on a checkpoint (posttrain.stages.common.load_quantized): built on meta, each targeted weight
     read just before it is quantized, then the rest. Bit for bit what the whole model + apply_lora
     gives (NF4 codes and scales, adapters, dense rest), double quant on and off, and the same
     logits; nothing left on meta, a tied head still the embedding."""
-    from stages.common import load_quantized, streams_quantized
+    from posttrain.stages.common import load_quantized, streams_quantized
 
     make_hf_model(family, tmp_path / family, vocab_size=VOCAB)
     for double_quant in (True, False):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.launch.config import LauncherConfig, SlurmOptions
+from posttrain.stages.launch.config import LauncherConfig, SlurmOptions
 from probe_stage import MODULE as PROBE, ProbeConfig
-from stages.launch import Launch, launch_stage, slurm_job_state
+from posttrain.stages.launch import Launch, launch_stage, slurm_job_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "infra" / "slurm" / "local-cluster.sh"

@@ -1,4 +1,4 @@
-"""The training stages under core.parallel layouts reproduce the single-process run.
+"""The training stages under posttrain.core.parallel layouts reproduce the single-process run.
 
 Each stage runs under torchrun on 2 or 4 CPU processes (gloo) and in this process on one; every
 step's loss, token count and gradient norm, the validation metrics and the exported HF weights
@@ -40,9 +40,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.config import to_json_file
-from core.tracking import TrackingConfig
-from stages.config import DataPrepConfig, DistillConfig, DPOConfig, SFTConfig
+from posttrain.core.config import to_json_file
+from posttrain.core.tracking import TrackingConfig
+from posttrain.stages.config import DataPrepConfig, DistillConfig, DPOConfig, SFTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-4  # fp32 on CPU: the layouts differ from one process by summation order (~1e-7 measured)
@@ -55,7 +55,7 @@ OFF = TrackingConfig(enabled=False, log_every=1)
 # file (rank 0) instead of MLflow.
 RECORDER = """
 import contextlib, importlib, json, os, sys
-import stages.recipe as recipe
+import posttrain.stages.recipe as recipe
 
 class Run:
     run_id = None
@@ -70,7 +70,7 @@ recipe.stage_run = lambda *args, **kwargs: contextlib.nullcontext(Run())
 
 kill_at = int(os.environ.get("POSTTRAIN_TEST_KILL_AFTER_SAVE", "0"))
 if kill_at:  # every rank dies the moment the checkpoint of step `kill_at` is complete
-    from core.checkpoint import CheckpointManager
+    from posttrain.core.checkpoint import CheckpointManager
     save = CheckpointManager.save
     def save_then_die(self, step, *args, **kwargs):
         written = save(self, step, *args, **kwargs)
@@ -98,7 +98,7 @@ elif __name__ == "__main__":
     importlib.import_module(sys.argv[1]).main(sys.argv[2:])
 """
 
-MODULES = {SFTConfig: "stages.sft", DPOConfig: "stages.dpo", DistillConfig: "stages.distill"}
+MODULES = {SFTConfig: "posttrain.stages.sft", DPOConfig: "posttrain.stages.dpo", DistillConfig: "posttrain.stages.distill"}
 
 
 def sft_config(root: Path, name: str, data: dict | None = None, **kw) -> SFTConfig:
@@ -127,7 +127,7 @@ def optim(grad_accum: int, lr: float = 1e-3) -> dict:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    from stages.data_prep import prepare
+    from posttrain.stages.data_prep import prepare
 
     root = tmp_path_factory.mktemp("stage_parallel")
     prepare(DataPrepConfig(output_dir=str(root / "data"), synthetic_size=120, tracking=TrackingConfig(enabled=False)))
@@ -198,7 +198,7 @@ LAYOUTS: dict[str, tuple[int, Callable[[Path, str], object]]] = {
     "dpo-op-cp": (2, _dpo({"cp": 2}, 2, **ON_POLICY)),
     # decodes with its KV heads split over tp (no sequence split), both tp ranks on the same rows
     "dpo-op-tp": (2, _dpo({"tp": 2}, 2, **ON_POLICY)),
-    # decodes stage by stage (core.parallel.pipeline_decode), each cp rank its own prompts as an
+    # decodes stage by stage (posttrain.core.parallel.pipeline_decode), each cp rank its own prompts as an
     # ordinary model (its stages' FSDP units gathered), then trains on the pairs pipelined and on a ring
     "dpo-op-pp-cp": (4, _dpo({"pp": 2, "cp": 2}, 2, **ON_POLICY)),
     "dpo-ep": (2, _dpo({"dp_shard": 2, "ep": 2}, 1, model=MOE)),
@@ -297,7 +297,7 @@ def torchrun_batch(configs: dict[str, object], nproc: int, work: Path) -> dict[s
 
 def in_process(cfg) -> list[dict]:
     """Run the stage in this process (world 1); the metrics it logged."""
-    from stages import recipe
+    from posttrain.stages import recipe
 
     records: list[dict] = []
 
@@ -345,9 +345,9 @@ def torchrun_stage(cfg, work: Path, nproc: int = 2, kill_after_save: int = 0) ->
 
 
 def plain(records: list[dict]) -> list[dict]:
-    """The logged records under the trainer's own names (stages.recipe.run_metric_names undone):
+    """The logged records under the trainer's own names (posttrain.stages.recipe.run_metric_names undone):
     train/<objective>_loss -> loss, train/<k> -> k, step 0's val/<k> -> val/<k>_initial."""
-    from stages.recipe import OBJECTIVE_LOSS
+    from posttrain.stages.recipe import OBJECTIVE_LOSS
 
     out = []
     for r in records:
@@ -376,7 +376,7 @@ def close(a: float, b: float) -> bool:
 def assert_same_run(records: list[dict], ref_records: list[dict], out: Path, ref_out: Path,
                     val_keys: tuple[str, ...]) -> None:
     """Per step: the same tokens, loss and gradient norm; the same validation; the same weights."""
-    from registry.hf import load_pretrained
+    from posttrain.registry.hf import load_pretrained
 
     ref, par = steps_of(ref_records), steps_of(records)
     assert sorted(par) == sorted(ref) == list(range(1, STEPS + 1))
@@ -410,7 +410,7 @@ def test_sft_under_torchrun_matches_one_process(reference, launched, layout):
 def assert_resume_is_bit_exact(cfg: SFTConfig, uninterrupted: Path, nproc: int) -> None:
     """The same run killed right after its step-2 checkpoint, then started again: it resumes from
     that checkpoint (sharded as the layout shards it) and exports bitwise the same weights."""
-    from registry.hf import load_pretrained
+    from posttrain.registry.hf import load_pretrained
 
     out = uninterrupted.with_name(uninterrupted.name + "-resumed")
     cfg = cfg.model_copy(update={"output_dir": str(out), "checkpoint": cfg.checkpoint.model_copy(
@@ -631,9 +631,9 @@ def qlora_reference(root):
 def test_qlora_sft_under_fsdp_and_tp_matches_one_process(root, qlora_reference, launched, layout):
     """QLoRA under FSDP (FSDP-QLoRA): the adapters, the dense frozen weights (embedding, norms,
     head) and their optimizer state sharded, and the NF4 base's storage too (each rank keeps its
-    piece, core.quant.shard_nf4_storage; forward and backward gather it); killed and resumed, it
+    piece, posttrain.core.quant.shard_nf4_storage; forward and backward gather it); killed and resumed, it
     ends bitwise where the uninterrupted run did (the checkpoint holds no NF4 base: it is loaded
-    again). Under TP each rank computes on its slice of every NF4 weight (core.quant.nf4_shard:
+    again). Under TP each rank computes on its slice of every NF4 weight (posttrain.core.quant.nf4_shard:
     the same codes and scales, cut where the split cuts the blocks), the adapters split as for a
     dense base."""
     assert_same_run(launched[layout], qlora_reference, root / layout, root / "qlora-ref",
@@ -654,7 +654,7 @@ def test_qlora_sft_under_pipeline_parallelism_matches_one_process(root, launched
 
 
 def test_unsupported_layouts_are_refused_when_the_config_loads():
-    from core.config import ConfigError, load_config
+    from posttrain.core.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"^data\.batch_tokens: pipeline parallelism \(pp=2\) runs fixed"):
         load_config(SFTConfig, overrides=["parallel.pp=2", "data.batch_tokens=512"])
@@ -671,9 +671,9 @@ def _sample_then_train() -> dict[str, float]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from core.model.generate import SamplingParams, generate
-    from core.parallel import parallelize
-    from stages.training import sampling
+    from posttrain.core.model.generate import SamplingParams, generate
+    from posttrain.core.parallel import parallelize
+    from posttrain.stages.training import sampling
     from tests.parallel._dist import (batch, clone, compare_training, dp_reference_loss, model_args, par_loss_fn,
                                       reference_model, setup)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from core.tracking import TrackingConfig
-from stages.config import DataPrepConfig, DistillConfig, DPOConfig, SFTConfig
-from stages.launch.config import LauncherConfig
+from posttrain.core.tracking import TrackingConfig
+from posttrain.stages.config import DataPrepConfig, DistillConfig, DPOConfig, SFTConfig
+from posttrain.stages.launch.config import LauncherConfig
 
 OFF = TrackingConfig(enabled=False)
 DATA = {"batch_tokens": 512, "max_seq_len": 128}
@@ -22,8 +22,8 @@ DATA = {"batch_tokens": 512, "max_seq_len": 128}
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """Data prep, then a short SFT of a student and of a (wider) teacher."""
-    from stages.data_prep import prepare
-    from stages.sft import run as sft
+    from posttrain.stages.data_prep import prepare
+    from posttrain.stages.sft import run as sft
 
     root = tmp_path_factory.mktemp("stages")
     prepare(DataPrepConfig(output_dir=str(root / "data"), synthetic_size=240, tracking=OFF))
@@ -47,7 +47,7 @@ def distill_cfg(root: Path, out: str, **kw) -> DistillConfig:
 @pytest.mark.parametrize("mode,sampler", [("online", "static"), ("on_policy", "static"), ("on_policy", "engine")])
 def test_distillation_lowers_student_kl(prepared, mode, sampler):
     """GKD's student samples from the static sampler or through the engine (sampler: engine)."""
-    from stages.distill import run
+    from posttrain.stages.distill import run
 
     m = run(distill_cfg(prepared, f"distill-{mode}-{sampler}", mode=mode, on_policy_ratio=0.5, max_new_tokens=8,
                         sampler=sampler))["metrics"]
@@ -58,7 +58,7 @@ def test_distillation_lowers_student_kl(prepared, mode, sampler):
 
 
 def test_offline_distillation_caches_teacher_topk(prepared):
-    from stages.distill import run
+    from posttrain.stages.distill import run
 
     cfg = distill_cfg(prepared, "distill-offline", mode="offline", top_k=16)
     first = run(cfg)["metrics"]
@@ -85,7 +85,7 @@ def test_offline_distillation_caches_teacher_topk(prepared):
 
 @pytest.mark.parametrize("pairs,reference", [("offline", "disable_adapter"), ("on_policy", "precomputed")])
 def test_dpo_raises_implicit_reward_accuracy(prepared, pairs, reference):
-    from stages.dpo import run
+    from posttrain.stages.dpo import run
 
     source = prepared / "data"
     if pairs == "on_policy":
@@ -114,7 +114,7 @@ def test_dpo_raises_implicit_reward_accuracy(prepared, pairs, reference):
 def test_on_policy_dpo_samples_through_the_engine(prepared):
     """sampler: engine: the num_samples of each prompt come from one engine call (sharing the
     prompt's KV blocks), ranked into pairs as the static sampler's are; the run trains on them."""
-    from stages.dpo import run
+    from posttrain.stages.dpo import run
 
     out = prepared / "dpo-engine"
     cfg = DPOConfig(output_dir=str(out), model={"name_or_path": str(prepared / "student")},
@@ -141,7 +141,7 @@ def prompts_file(root: Path) -> Path:
 
 
 def _launch_sft(prepared: Path, out: Path, **kw):
-    from stages.launch import Launch
+    from posttrain.stages.launch import Launch
 
     spec = SFTConfig(output_dir=str(out), data={**DATA, "sources": [str(prepared / "data")]}, tracking=OFF,
                      launcher=LauncherConfig(nproc_per_node=2), optim={"lr": 1e-3, "warmup_steps": 1}, **kw)
@@ -174,7 +174,7 @@ def test_malformed_input_fails_naming_file_and_line(prepared, tmp_path):
     bad = tmp_path / "bad.jsonl"
     good = {"messages": [{"role": "user", "content": "add 1 2"}, {"role": "assistant", "content": "3"}]}
     bad.write_text(json.dumps(good) + "\n" + '{"messages": [{"role": "bot", "content": "x"}]}\n')
-    from stages.launch import Launch
+    from posttrain.stages.launch import Launch
 
     spec = SFTConfig(output_dir=str(tmp_path / "out"), tracking=OFF, launcher=LauncherConfig(nproc_per_node=2),
                      model={"name_or_path": "debug", "tokenizer": str(prepared / "data" / "tokenizer")},
@@ -189,7 +189,7 @@ def test_dpo_reference_model_is_a_frozen_copy_of_the_start(prepared):
     """reference='model' runs a separate frozen copy of the starting policy. With LoRA (B = 0 at
     the start) that copy computes what the adapter-disabled base computes, so both runs train
     identically; without LoRA (full fine-tuning) it is the only live reference and still works."""
-    from stages.dpo import run
+    from posttrain.stages.dpo import run
 
     def dpo(name, **kw):
         cfg = DPOConfig(output_dir=str(prepared / name), model={"name_or_path": str(prepared / "student")},
@@ -218,8 +218,8 @@ def test_training_stages_report_throughput_and_step_phases(prepared):
 def test_mfu_is_reported_against_a_known_peak():
     import torch
 
-    from core.model import get_preset
-    from core.monitor import ThroughputMeter, flops_per_token
+    from posttrain.core.model import get_preset
+    from posttrain.core.monitor import ThroughputMeter, flops_per_token
 
     fpt = flops_per_token(get_preset("debug"), 128)
     meter = ThroughputMeter(fpt, torch.device("cpu"), world_size=2, peak=1e12)
@@ -235,8 +235,8 @@ def test_mfu_is_reported_against_a_known_peak():
 
 def test_evaluation_samples_differ_across_repetitions(prepared):
     """num_samples > 1 draws each repetition from its own seed (it reused one, repeating a sample)."""
-    from stages.config import EvalConfig
-    from stages.evaluate import run
+    from posttrain.stages.config import EvalConfig
+    from posttrain.stages.evaluate import run
 
     out = prepared / "eval-samples"
     m = run(EvalConfig(output_dir=str(out), models=[str(prepared / "student")], data=str(prepared / "data"),
@@ -252,8 +252,8 @@ def test_evaluation_samples_differ_across_repetitions(prepared):
 
 
 def test_evaluation_refuses_model_parallel_layouts():
-    from core.config import ConfigError, load_config
-    from stages.config import EvalConfig
+    from posttrain.core.config import ConfigError, load_config
+    from posttrain.stages.config import EvalConfig
 
     with pytest.raises(ConfigError, match=r"^parallel\.ep: evaluation under pipeline parallelism \(pp=2\) splits"):
         load_config(EvalConfig, overrides=["parallel.pp=2", "parallel.ep=2"])
@@ -266,9 +266,9 @@ def test_parallel_backend_is_the_process_groups(monkeypatch):
     existed); 'nccl' without CUDA is refused before any group."""
     import torch.distributed as dist
 
-    from core.parallel.config import ParallelConfig
-    from core.parallel.mesh import init_process_group
-    from stages.common import StageError, start_distributed
+    from posttrain.core.parallel.config import ParallelConfig
+    from posttrain.core.parallel.mesh import init_process_group
+    from posttrain.stages.common import StageError, start_distributed
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
@@ -286,8 +286,8 @@ def test_model_kernels_setting_reaches_the_dispatch(prepared, monkeypatch):
     """ModelConfig.kernels is what the stage's ops dispatch on (tests/test_kernels_dispatch.py shows
     that mode 'torch' keeps every op off the Triton kernels); the environment variable only acts
     where no config set it."""
-    from kernels import dispatch
-    from stages.recipe import open_session
+    from posttrain.kernels import dispatch
+    from posttrain.stages.recipe import open_session
 
     monkeypatch.setenv("POSTTRAIN_KERNELS", "torch")
     try:

@@ -9,8 +9,8 @@ import uuid
 import pytest
 from mlflow import MlflowClient
 
-from core.tracking import TrackingConfig
-from core.tracking import Tracker
+from posttrain.core.tracking import TrackingConfig
+from posttrain.core.tracking import Tracker
 
 
 @pytest.fixture(autouse=True)

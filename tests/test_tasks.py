@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from core.tasks import TASKS, make_suite, verify
+from posttrain.core.tasks import TASKS, make_suite, verify
 
 
 def test_answers_are_correct_and_wrong_answers_are_wrong():

@@ -1,4 +1,4 @@
-"""registry.tokenizer against transformers on tokenizers trained here (no downloads).
+"""posttrain.registry.tokenizer against transformers on tokenizers trained here (no downloads).
 
 A small byte-level BPE is trained once; it is wrapped in transformers with a Qwen-style ChatML
 template and a Llama-3-style template (BOS from the post-processor, `{{ bos_token }}` in the
@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from registry.tokenizer import ChatTemplateError, Tokenizer
+from posttrain.registry.tokenizer import ChatTemplateError, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

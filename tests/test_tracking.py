@@ -1,4 +1,4 @@
-"""core.tracking against a real MLflow backend (sqlite in tmp): params, metrics, nesting, resume,
+"""posttrain.core.tracking against a real MLflow backend (sqlite in tmp): params, metrics, nesting, resume,
 artifacts, and an outage during which nothing raises and everything is delivered afterwards."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from core.tracking import TrackingConfig
-from core.tracking import MASK, NullTracker, Tracker, create_tracker, flatten_params
+from posttrain.core.tracking import TrackingConfig
+from posttrain.core.tracking import MASK, NullTracker, Tracker, create_tracker, flatten_params
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +135,10 @@ def test_resume_by_run_id(backend):
 def test_a_run_opened_by_the_flow_is_resumed_by_the_stage(backend, monkeypatch):
     """open_run (the flow, at launch) then stage_run in the stage's process (POSTTRAIN_RUN_ID): one
     run, started when it was opened, nested under the parent, re-tagged with the stage's process."""
-    from core.tracking import open_run
-    from core.tracking.recovery import PID_TAG
-    from stages.common import stage_run
-    from stages.config import SFTConfig
+    from posttrain.core.tracking import open_run
+    from posttrain.core.tracking.recovery import PID_TAG
+    from posttrain.stages.common import stage_run
+    from posttrain.stages.config import SFTConfig
 
     cfg = config(backend)
     parent = open_run(cfg, "pipeline")
@@ -189,7 +189,7 @@ def test_outage_buffers_then_delivers(backend, monkeypatch, caplog):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     cfg = config(backend)
     down = cfg.model_copy(update={"tracking_uri": f"http://127.0.0.1:{free_port()}"})  # nothing listens
-    with caplog.at_level(logging.WARNING, logger="core.tracking"):
+    with caplog.at_level(logging.WARNING, logger="posttrain.core.tracking"):
         tr = Tracker(down, "sft", max_buffer=8, connect_timeout_s=30)
         assert tr.run_id is None
         tr.log_params({"optim": {"lr": 0.1}})
@@ -262,7 +262,7 @@ def test_server_outage_mid_run(tmp_path, monkeypatch, caplog):
             tr.log_metrics({"loss": float(step)}, step=step)
         assert tr.flush(timeout=30)
         _stop_server(server)
-        with caplog.at_level(logging.WARNING, logger="core.tracking"):
+        with caplog.at_level(logging.WARNING, logger="posttrain.core.tracking"):
             for step in range(5, 10):
                 tr.log_metrics({"loss": float(step)}, step=step)
             assert tr.flush(timeout=30) is False

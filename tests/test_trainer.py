@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from core.optim import OptimConfig
-from core.losses import chunked_cross_entropy, num_target_tokens
-from core.model import build_model, get_preset
-from core.trainer import LossOutput, Trainer, lr_lambda, param_groups
+from posttrain.core.optim import OptimConfig
+from posttrain.core.losses import chunked_cross_entropy, num_target_tokens
+from posttrain.core.model import build_model, get_preset
+from posttrain.core.trainer import LossOutput, Trainer, lr_lambda, param_groups
 
 
 def lm_objective(model, batch):
@@ -115,7 +115,7 @@ def test_sampling_a_model_in_training_returns_generations():
     """KV-cache sampling from a model mid-training gives the generations and leaves it training."""
     model = build_model(get_preset("debug"))
     Trainer(model, OptimConfig(), total_steps=1)
-    from core.model.generate import SamplingParams, generate
+    from posttrain.core.model.generate import SamplingParams, generate
 
     out = generate(model, [[1, 2, 3], [4]], SamplingParams(max_new_tokens=5, temperature=0.0))
     assert [len(g.tokens) for g in out] == [5, 5] and model.training

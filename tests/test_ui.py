@@ -34,7 +34,7 @@ def _answers(port: int) -> bool:
 def test_sigterm_stops_both_real_servers(tmp_path):
     prefect, mlflow = _free_port(), _free_port()
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--prefect-port", str(prefect),
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "ui", "--prefect-port", str(prefect),
                              "--mlflow-port", str(mlflow)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -56,7 +56,7 @@ def test_sigterm_stops_both_real_servers(tmp_path):
 
 
 def test_sighup_takes_the_same_way_out_as_ctrl_c(monkeypatch):
-    import flows.ui as ui
+    import posttrain.flows.ui as ui
 
     stopped = []
 
@@ -81,7 +81,7 @@ def test_a_signal_while_the_urls_are_printed_still_stops_both(monkeypatch):
     the servers were already running, so they must be stopped, not orphaned."""
     import builtins
 
-    import flows.ui as ui
+    import posttrain.flows.ui as ui
 
     stopped = []
 
@@ -112,7 +112,7 @@ def test_a_port_in_use_is_an_error_before_anything_starts(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "flows.cli", "ui", "--prefect-port", str(port),
+        out = subprocess.run([sys.executable, "-m", "posttrain.flows.cli", "ui", "--prefect-port", str(port),
                               "--mlflow-port", str(_free_port())], cwd=tmp_path, capture_output=True, text=True,
                              timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT),
                                                "PREFECT_HOME": str(tmp_path / "prefect")})

@@ -391,7 +391,7 @@ def test_the_experiment_opens_on_the_runs_table(stack, browser):
     and the parent-run link a training run's page (metrics), not the GenAI views. (MLflow 3.17
     chooses its views from a sidebar switch whose default is GenAI; the experiment's
     mlflow.experimentKind tag is not consulted while that switch exists, so posttrain's links carry
-    ?workflowType=machine_learning: flows.report.ML_VIEW. A bare #/experiments/<id> typed by hand
+    ?workflowType=machine_learning: posttrain.flows.report.ML_VIEW. A bare #/experiments/<id> typed by hand
     still opens the GenAI overview until the user flips the switch.)"""
     exp = _experiment_id(stack)
     ctx, page = _summary_page(stack, browser, "form", "11")

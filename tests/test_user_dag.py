@@ -27,10 +27,10 @@ def test_user_data_dag_runs_end_to_end(tmp_path, monkeypatch):
     from prefect.settings import (PREFECT_SERVER_ANALYTICS_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
                                   temporary_settings)
 
-    from core.config import load_config
-    from core.manifest import read_manifest
-    from flows.config import PipelineConfig
-    from flows.pipeline import run_pipeline
+    from posttrain.core.config import load_config
+    from posttrain.core.manifest import read_manifest
+    from posttrain.flows.config import PipelineConfig
+    from posttrain.flows.pipeline import run_pipeline
 
     monkeypatch.chdir(ROOT)  # the config names its files relative to the repository root
     cfg = load_config(PipelineConfig, ROOT / "configs" / "user_data.yaml", QUICK + [

@@ -18,13 +18,13 @@ import pytest
 import torch
 from data_fixtures import make_tokenizer, write_jsonl, write_parquet
 
-from core.data.errors import DataError
-from core.data.formats import validate_row
-from core.data.split import assign_split, split_key
-from core.losses import IGNORE_INDEX
-from core.tracking import TrackingConfig
-from stages.common import StageError
-from stages.config import DistillConfig, DPOConfig
+from posttrain.core.data.errors import DataError
+from posttrain.core.data.formats import validate_row
+from posttrain.core.data.split import assign_split, split_key
+from posttrain.core.losses import IGNORE_INDEX
+from posttrain.core.tracking import TrackingConfig
+from posttrain.stages.common import StageError
+from posttrain.stages.config import DistillConfig, DPOConfig
 
 OFF = TrackingConfig(enabled=False)
 TESTS = Path(__file__).resolve().parent
@@ -77,15 +77,15 @@ def tok_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def tok(tok_dir):
-    from registry.tokenizer import Tokenizer
+    from posttrain.registry.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(tok_dir)
 
 
 def model_dir(path: Path, seed: int = 0, tokenizer=None, **overrides) -> str:
     """A debug-preset checkpoint directory (HF format) with the test tokenizer beside the weights."""
-    from core.model import build_model, get_preset
-    from registry.hf import save_pretrained
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.hf import save_pretrained
 
     save_pretrained(build_model(get_preset("debug", **overrides), seed=seed), path)
     (tokenizer or make_tokenizer()).save_pretrained(path)
@@ -111,7 +111,7 @@ def dpo_cfg(tmp_path: Path, sources, *, model=None, tok_dir=None, data=None, **k
 @pytest.fixture
 def spy(monkeypatch):
     """What the DPO stage trained on (pair_loader's pairs) and validated on (reward_accuracy's)."""
-    import stages.dpo as dpo
+    import posttrain.stages.dpo as dpo
 
     seen: dict[str, list] = {}
     loader, accuracy = dpo.pair_loader, dpo.reward_accuracy
@@ -199,7 +199,7 @@ def test_offline_dpo_trains_on_the_pairs_of_every_format(tmp_path, tok, tok_dir,
     datasets.DatasetDict({"train": datasets.Dataset.from_list(dd_train),
                           "validation": datasets.Dataset.from_list(dd_val)}).save_to_disk(str(tmp_path / "dd"))
     cfg = dpo_cfg(tmp_path, [*files.values(), tmp_path / "dd"], tok_dir=tok_dir, data={"val_fraction": 0.4})
-    from stages.dpo import run
+    from posttrain.stages.dpo import run
 
     m = run(cfg)["metrics"]
 
@@ -225,7 +225,7 @@ def test_offline_dpo_trains_on_the_pairs_of_every_format(tmp_path, tok, tok_dir,
 
 
 def test_tokenizer_comes_from_model_tokenizer_or_the_model_dir(tmp_path, models, tok):
-    from stages.recipe import policy_tokenizer
+    from posttrain.stages.recipe import policy_tokenizer
 
     src = write_jsonl(tmp_path / "p.jsonl", pref_rows("conv", 2, 0))
     from_dir = policy_tokenizer(dpo_cfg(tmp_path, [src], model={"name_or_path": models["student"]}))
@@ -238,7 +238,7 @@ def test_tokenizer_comes_from_model_tokenizer_or_the_model_dir(tmp_path, models,
 
 
 def test_bad_preference_rows_are_named_before_training_or_counted(tmp_path, tok_dir):
-    from stages.dpo import run
+    from posttrain.stages.dpo import run
 
     rows = pref_rows("conv", 4, 0)
     bad = write_jsonl(tmp_path / "bad.jsonl", rows[:2] + [{**rows[2], "rejected": 5}] + rows[3:])
@@ -298,7 +298,7 @@ def test_on_policy_verifier_ranks_the_samples(tmp_path, tok, tok_dir, spy):
     """A verifier entry point scores every sample; chosen = the first best, rejected = the first
     worst, ties give no pair, and the pairs trained on are the prompt (chat template + generation
     prompt, or plain text) followed by exactly those samples."""
-    from stages.dpo import run
+    from posttrain.stages.dpo import run
 
     SEEN_ROWS.clear()
     src, rows = prompt_file(tmp_path / "prompts.jsonl", 12)
@@ -345,7 +345,7 @@ def test_on_policy_verifier_ranks_the_samples(tmp_path, tok, tok_dir, spy):
 def test_on_policy_builtin_reward_falls_back_to_the_reference(tmp_path, tok, tok_dir, spy):
     """exact_match against `reference_column`: the random policy solves nothing, so every row's
     reference, tokenized as a completion of its prompt, is chosen and the worst sample rejected."""
-    from stages.dpo import run
+    from posttrain.stages.dpo import run
 
     src, rows = prompt_file(tmp_path / "prompts.jsonl", 8, answer_key="gold")
     cfg = dpo_cfg(tmp_path, [src], tok_dir=tok_dir, pairs="on_policy", reward="exact_match",
@@ -367,8 +367,8 @@ def test_on_policy_builtin_reward_falls_back_to_the_reference(tmp_path, tok, tok
 def test_on_policy_judge_reward_is_its_mean_log_likelihood(tmp_path, tok, tok_dir, models, spy):
     """With a judge, each sample's reward is the judge's mean per-token log-likelihood of it after
     the prompt (checked against a plain forward); validation prompts (val_fraction) are sampled too."""
-    from registry.hf import load_pretrained
-    from stages.dpo import run
+    from posttrain.registry.hf import load_pretrained
+    from posttrain.stages.dpo import run
 
     src, rows = prompt_file(tmp_path / "prompts.jsonl", 12)
     cfg = dpo_cfg(tmp_path, [src], tok_dir=tok_dir, pairs="on_policy", judge=models["judge"], num_samples=3,
@@ -397,9 +397,9 @@ def test_on_policy_validation_pairs_are_the_datas_own_or_sampled(tmp_path, tok, 
     """Data prep's SFT output gives prompts for both splits (validation pairs sampled, rows named by
     their Parquet row); a user's preference file gives training prompts and, for validation, its
     own pairs of the val_fraction share, as offline DPO would split and tokenize them."""
-    from stages.data_prep import prepare
-    from stages.config import DataPrepConfig
-    from stages.dpo import run
+    from posttrain.stages.data_prep import prepare
+    from posttrain.stages.config import DataPrepConfig
+    from posttrain.stages.dpo import run
 
     sft = [{"messages": USER(f"what is {w} plus {i}") + BOT(f"{i} {w}"), "answer": f"{i} {w}"}
            for i, w in enumerate(WORDS)]
@@ -425,7 +425,7 @@ def test_on_policy_validation_pairs_are_the_datas_own_or_sampled(tmp_path, tok, 
 
 
 def test_judge_must_share_the_policys_vocabulary(tmp_path, tok_dir, models):
-    from stages.dpo import run
+    from posttrain.stages.dpo import run
 
     src, _ = prompt_file(tmp_path / "prompts.jsonl", 2)
     with pytest.raises(StageError, match="judge 'debug' has a vocabulary of 640 tokens, the policy 512"):
@@ -446,7 +446,7 @@ def test_judge_must_share_the_policys_vocabulary(tmp_path, tok_dir, models):
     ("no_such_module_xyz:f", r"reward: verifier 'no_such_module_xyz:f': cannot import"),
 ])
 def test_bad_verifiers_are_named_with_the_row(tmp_path, tok_dir, reward, match):
-    from stages.dpo import run
+    from posttrain.stages.dpo import run
 
     src, _ = prompt_file(tmp_path / "prompts.jsonl", 4)
     with pytest.raises(StageError, match=match):
@@ -455,8 +455,8 @@ def test_bad_verifiers_are_named_with_the_row(tmp_path, tok_dir, reward, match):
 
 
 def test_bad_prompt_rows_are_named_before_sampling_or_counted(tmp_path, tok_dir, monkeypatch):
-    import stages.on_policy as on_policy
-    from stages.dpo import run
+    import posttrain.stages.on_policy as on_policy
+    from posttrain.stages.dpo import run
 
     rows = [{"prompt": "a =", "answer": " 1"}, {"prompt": "b =", "task": "no answer"}, {"prompt": "c =", "answer": "3"}]
     src = write_jsonl(tmp_path / "p.jsonl", rows)
@@ -504,7 +504,7 @@ def distill_cfg(tmp_path: Path, sources, models, **kw) -> DistillConfig:
 
 @pytest.fixture
 def distill_spy(monkeypatch):
-    import stages.distill as distill
+    import posttrain.stages.distill as distill
 
     seen: dict[str, list] = {}
     loader, mix = distill.doc_loader, distill.OnPolicyMix
@@ -535,7 +535,7 @@ def test_distillation_trains_on_the_users_sft_files(tmp_path, tok, models, disti
     """Messages (JSONL), plain prompt/completion (Parquet) and conversational prompt/completion (a
     saved dataset), tokenized as by hand, with the loss on the replies only; the tokenizer is the
     student directory's."""
-    from stages.distill import run
+    from posttrain.stages.distill import run
 
     sources, rows = sft_sources(tmp_path)
     m = run(distill_cfg(tmp_path, sources, models, mode="online"))["metrics"]
@@ -550,7 +550,7 @@ def test_on_policy_distillation_prompts_come_from_the_same_rows(tmp_path, tok, m
     """on_policy samples the student after each row's prompt: every turn before the final reply,
     through the chat template's generation prompt (plain text for string prompts), also with
     mask_prompt=false, where the loss covers every token of the data."""
-    from stages.distill import run
+    from posttrain.stages.distill import run
 
     sources, rows = sft_sources(tmp_path)
     m = run(distill_cfg(tmp_path, sources, models, mode="on_policy", on_policy_ratio=1.0, max_new_tokens=4,
@@ -565,7 +565,7 @@ def test_on_policy_distillation_prompts_come_from_the_same_rows(tmp_path, tok, m
 
 
 def test_bad_sft_rows_are_named_before_distillation(tmp_path, models):
-    from stages.distill import run
+    from posttrain.stages.distill import run
 
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": USER("hi") + BOT("hello")},
                                                {"messages": [{"role": "bot", "content": "x"}]}])
@@ -585,9 +585,9 @@ def test_on_policy_pairs_are_the_same_on_every_rank_and_for_any_world(tmp_path, 
     """Two ranks sample one chunk of prompts each and gather: the pairs (and records) equal one
     process's, training runs in lockstep, and a verifier failing on rank 1 only stops the job with
     its message instead of hanging the other rank."""
-    from stages.dpo import run
-    from stages.launch import Launch
-    from stages.launch.config import LauncherConfig
+    from posttrain.stages.dpo import run
+    from posttrain.stages.launch import Launch
+    from posttrain.stages.launch.config import LauncherConfig
 
     src, _ = prompt_file(tmp_path / "prompts.jsonl", 40)
     common = dict(tok_dir=tok_dir, pairs="on_policy", reward="test_user_data:length_reward", num_samples=2,

@@ -1,4 +1,4 @@
-"""Weight sync (core.generation.weights) on forked gloo ranks: a trainer under FSDP (2 ranks) sends
+"""Weight sync (posttrain.core.generation.weights) on forked gloo ranks: a trainer under FSDP (2 ranks) sends
 its weights to a generator process after an optimizer step, full and LoRA-only, and the
 generator's tensors equal the gathered trainer's bit for bit, its greedy tokens the trainer's
 model's; a tensor-parallel generator (2 ranks) keeps its slices of what a single-process trainer
@@ -21,9 +21,9 @@ def _fsdp_trainer_to_generator(lora: bool, transport: str) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from core.generation.weights import WeightPublisher, WeightSubscriber, sync_group
-    from core.model.generate import SamplingParams, generate
-    from core.parallel.checkpoint import full_state_dict
+    from posttrain.core.generation.weights import WeightPublisher, WeightSubscriber, sync_group
+    from posttrain.core.model.generate import SamplingParams, generate
+    from posttrain.core.parallel.checkpoint import full_state_dict
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -99,9 +99,9 @@ def _trainer_to_tp_generator() -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from core.generation.weights import WeightPublisher, WeightSubscriber, sync_group
-    from core.model.generate import SamplingParams, generate
-    from core.parallel.plans import apply_plan, transformer_tp_plan
+    from posttrain.core.generation.weights import WeightPublisher, WeightSubscriber, sync_group
+    from posttrain.core.model.generate import SamplingParams, generate
+    from posttrain.core.parallel.plans import apply_plan, transformer_tp_plan
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -132,7 +132,7 @@ def test_a_tensor_parallel_generator_keeps_its_slices():
 def _mismatch() -> str:
     import torch.distributed as dist
 
-    from core.generation.weights import WeightPublisher, WeightSubscriber, sync_group
+    from posttrain.core.generation.weights import WeightPublisher, WeightSubscriber, sync_group
 
     dist.init_process_group("gloo")
     group = sync_group(0, [1])
@@ -155,7 +155,7 @@ def test_a_generator_of_another_shape_is_refused_by_name():
 def _shm_refused() -> str:
     import torch.distributed as dist
 
-    import core.generation.weights as weights
+    import posttrain.core.generation.weights as weights
 
     dist.init_process_group("gloo")
     group = weights.sync_group(0, [1])
@@ -179,8 +179,8 @@ def test_shm_transport_refuses_a_generator_that_cannot_open_the_slots():
 def test_default_buckets_split_a_lora_sync_in_about_four():
     """Default bucket sizes: 64 MiB for a full sync; a LoRA-only sync cut in about four buckets (at
     least 1 MiB each), so the generators copy one out while the source packs the next."""
-    from core.generation.weights import WeightPublisher
-    from core.model.args import ModelArgs
+    from posttrain.core.generation.weights import WeightPublisher
+    from posttrain.core.model.args import ModelArgs
 
     args = ModelArgs(vocab_size=256, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=512)
     model = reference_model(args, seed=0, lora=dict(rank=64, alpha=8.0, targets="all-linear"))  # 4.7 MB of adapters
@@ -193,7 +193,7 @@ def test_default_buckets_split_a_lora_sync_in_about_four():
 
 
 def test_staleness_policy():
-    from core.generation.weights import Staleness
+    from posttrain.core.generation.weights import Staleness
 
     strict, keep2, soft = Staleness(max_behind=0), Staleness(max_behind=2), Staleness(1, "reweight", 0.5)
     assert strict.weight(5, 5) == 1.0 and strict.weight(4, 5) is None
@@ -207,7 +207,7 @@ def test_staleness_policy():
 
 @pytest.mark.slow
 def test_the_benchmark_reports_both_modes_against_the_floor(tmp_path):
-    """benchmarks.weight_sync at its smallest: the JSON it promises (figures never compared)."""
+    """posttrain.benchmarks.weight_sync at its smallest: the JSON it promises (figures never compared)."""
     import json
     import os
     import subprocess
@@ -216,7 +216,7 @@ def test_the_benchmark_reports_both_modes_against_the_floor(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "sync.json"
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "bench", "weight_sync", "--models", "debug", "--reps",
+    proc = subprocess.run([sys.executable, "-m", "posttrain.flows.cli", "bench", "weight_sync", "--models", "debug", "--reps",
                            "1", "--out", str(out)], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

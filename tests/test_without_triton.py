@@ -31,12 +31,12 @@ SCRIPT = textwrap.dedent("""
 
     import torch
 
-    import core.lora
-    import core.losses
-    import core.model
-    import kernels
-    from core.model import build_model, get_preset
-    from kernels.dispatch import triton_available, use_triton
+    import posttrain.core.lora
+    import posttrain.core.losses
+    import posttrain.core.model
+    import posttrain.kernels
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.kernels.dispatch import triton_available, use_triton
 
     assert not triton_available()
     x = torch.zeros(2, 3)
@@ -46,20 +46,20 @@ SCRIPT = textwrap.dedent("""
     model = build_model(get_preset("debug"))
     ids = torch.randint(0, model.args.vocab_size, (2, 16))
     labels = ids.clone()
-    labels[:, :4] = core.losses.IGNORE_INDEX
-    loss = model(ids, head=lambda h, w: kernels.fused_linear_cross_entropy(h, w, labels, chunk_size=8))
+    labels[:, :4] = posttrain.core.losses.IGNORE_INDEX
+    loss = model(ids, head=lambda h, w: posttrain.kernels.fused_linear_cross_entropy(h, w, labels, chunk_size=8))
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert torch.isfinite(loss) and all(g is not None and torch.isfinite(g).all() for g in grads)
 
-    core.lora.apply_lora(model, rank=4, alpha=8, targets="all-linear")
+    posttrain.core.lora.apply_lora(model, rank=4, alpha=8, targets="all-linear")
     logits = model(ids)
-    core.losses.cross_entropy(logits, labels).backward()
+    posttrain.core.losses.cross_entropy(logits, labels).backward()
     lora = [p for n, p in model.named_parameters() if "lora_" in n]
     assert lora and all(p.grad is not None for p in lora)
 
     assert not any(m == "triton" or m.startswith("triton.") for m in sys.modules), "triton was imported"
-    assert not any(m.startswith("kernels.jit") for m in sys.modules), "Triton device code was imported"
+    assert not any(m.startswith("posttrain.kernels.jit") for m in sys.modules), "Triton device code was imported"
     print("ok")
 """)
 

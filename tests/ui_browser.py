@@ -93,7 +93,7 @@ class Proc:
 
 
 def posttrain(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", *args]
+    return [sys.executable, "-m", "posttrain.flows.cli", *args]
 
 
 def child_env(prefect_port: int, mlflow_port: int, prefect_home: Path) -> dict[str, str]:

@@ -23,26 +23,26 @@ Modules: manager (CheckpointManager: when to save, what to keep, verified loads)
 save: snapshot, write, commit; sync or on a background thread), state (JSON codec, RNG, state
 dicts), layout (names on disk, the inventory, the allowlisted metadata unpickler).
 
-Names load on first use (core.lazy): `core.checkpoint.config` (CheckpointConfig) imports without torch.
+Names load on first use (posttrain.core.lazy): `posttrain.core.checkpoint.config` (CheckpointConfig) imports without torch.
 """
 
 import warnings
 
-from core.lazy import lazy_exports
+from posttrain.core.lazy import lazy_exports
 
 # DCP warns on every save/load without a process group; single-process use is intended here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "COMMON": "core.checkpoint.layout",
-    "CheckpointError": "core.checkpoint.layout",
-    "CheckpointManager": "core.checkpoint.manager",
-    "FORMAT": "core.checkpoint.layout",
-    "LATEST": "core.checkpoint.layout",
-    "LoadReport": "core.checkpoint.layout",
-    "MANIFEST": "core.checkpoint.layout",
-    "Stateful": "core.checkpoint.state",
-    "config_hash": "core.checkpoint.state",
-    "read_metadata": "core.checkpoint.layout",
-    "step_dir_name": "core.checkpoint.layout",
+    "COMMON": "posttrain.core.checkpoint.layout",
+    "CheckpointError": "posttrain.core.checkpoint.layout",
+    "CheckpointManager": "posttrain.core.checkpoint.manager",
+    "FORMAT": "posttrain.core.checkpoint.layout",
+    "LATEST": "posttrain.core.checkpoint.layout",
+    "LoadReport": "posttrain.core.checkpoint.layout",
+    "MANIFEST": "posttrain.core.checkpoint.layout",
+    "Stateful": "posttrain.core.checkpoint.state",
+    "config_hash": "posttrain.core.checkpoint.state",
+    "read_metadata": "posttrain.core.checkpoint.layout",
+    "step_dir_name": "posttrain.core.checkpoint.layout",
 })

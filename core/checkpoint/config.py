@@ -1,4 +1,4 @@
-"""CheckpointConfig: how often core.checkpoint saves, how many it keeps, and resume."""
+"""CheckpointConfig: how often posttrain.core.checkpoint saves, how many it keeps, and resume."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from core.config import ConfigModel
+from posttrain.core.config import ConfigModel
 
 
 class CheckpointConfig(ConfigModel):

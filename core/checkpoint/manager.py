@@ -18,18 +18,18 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
-from core.checkpoint.layout import (
+from posttrain.core.checkpoint.layout import (
     COMMON, ERRORS, MANIFEST, CheckpointError, LoadReport, SafeReader, final_steps, read_latest, read_metadata,
     step_dir_name, why,
 )
-from core.checkpoint.state import (
+from posttrain.core.checkpoint.state import (
     Stateful, config_hash, decode, model_state_dict, optim_options, set_rng_state, split_tensors,
 )
-from core.checkpoint.writer import CheckpointWriter, collect
-from core.distenv import all_gather_object, dist_on, rank_world
-from core.manifest import file_sha256
+from posttrain.core.checkpoint.writer import CheckpointWriter, collect
+from posttrain.core.distenv import all_gather_object, dist_on, rank_world
+from posttrain.core.manifest import file_sha256
 
-logger = logging.getLogger("core.checkpoint")
+logger = logging.getLogger("posttrain.core.checkpoint")
 
 
 class CheckpointManager:
@@ -62,7 +62,7 @@ class CheckpointManager:
 
     @classmethod
     def from_config(cls, dir: str | os.PathLike, cfg: Any, **kwargs: Any) -> CheckpointManager:
-        """From a core.config.CheckpointConfig."""
+        """From a posttrain.core.config.CheckpointConfig."""
         return cls(dir, keep_last=cfg.keep_last, async_save=cfg.async_save,
                    on_save_error=cfg.on_save_error, interval_steps=cfg.interval_steps, **kwargs)
 
@@ -257,7 +257,7 @@ class CheckpointManager:
         except CheckpointException as e:
             raise CheckpointError(f"loading {path} failed: {why(e)}") from e
 
-        # The JSON values are every rank's (core.checkpoint.writer.collect): this rank takes its own keys.
+        # The JSON values are every rank's (posttrain.core.checkpoint.writer.collect): this rank takes its own keys.
         msd = {k: target.get("model." + k, common["model_values"].get(k, v)) for k, v in msd.items()}
         set_model_state_dict(model, msd, options=StateDictOptions(strict=not trainable_only))
         if optimizer is not None:

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from core.checkpoint.layout import CheckpointError
+from posttrain.core.checkpoint.layout import CheckpointError
 
 try:
     import numpy as np
@@ -112,9 +112,9 @@ def split_tensors(flat: Mapping[str, Any], prefix: str) -> tuple[dict[str, torch
 def model_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, Any]:
     """What a checkpoint saves of the model. trainable_only (adapter training): the trained
     parameters and the buffers that carry state, without the frozen base, which the run loads
-    again from the base model; so also without a QLoRA base's NF4 buffers (core.quant.NF4Weight),
+    again from the base model; so also without a QLoRA base's NF4 buffers (posttrain.core.quant.NF4Weight),
     derived from it (half a byte per base weight in every checkpoint otherwise)."""
-    from core.quant import NF4Weight
+    from posttrain.core.quant import NF4Weight
 
     sd = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
     if trainable_only:  # DSD keeps tied aliases of frozen params (lm_head.weight = embed.weight)

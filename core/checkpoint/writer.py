@@ -21,15 +21,15 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from core.atomic import fsync_dir, write_json_atomic, write_text_atomic
-from core.checkpoint.layout import (
+from posttrain.core.atomic import fsync_dir, write_json_atomic, write_text_atomic
+from posttrain.core.checkpoint.layout import (
     COMMON, ERRORS, FORMAT, LATEST, MANIFEST, TMP_PREFIX, CheckpointError, final_steps, step_dir_name, why,
 )
-from core.checkpoint.state import Stateful, encode, model_state_dict, optim_options, rng_state, split_tensors
-from core.distenv import all_gather_object, broadcast_object, dist_on, rank_world
-from core.manifest import file_sha256
+from posttrain.core.checkpoint.state import Stateful, encode, model_state_dict, optim_options, rng_state, split_tensors
+from posttrain.core.distenv import all_gather_object, broadcast_object, dist_on, rank_world
+from posttrain.core.manifest import file_sha256
 
-logger = logging.getLogger("core.checkpoint")
+logger = logging.getLogger("posttrain.core.checkpoint")
 
 
 @dataclass

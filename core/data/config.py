@@ -1,4 +1,4 @@
-"""DataConfig: what core.data reads, and how it tokenizes, packs and batches it."""
+"""DataConfig: what posttrain.core.data reads, and how it tokenizes, packs and batches it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from core.config import ConfigModel
+from posttrain.core.config import ConfigModel
 
 
 class DataConfig(ConfigModel):

@@ -4,7 +4,7 @@
 a bad row stops the job at load time, never mid-run), routes rows to train/validation/test by a
 hash of their content (or by the split a saved DatasetDict names), and returns the tokenized
 splits with the DropStats of what was skipped. Data prep runs the same `ExamplePipeline` and writes
-its result to Parquet (core.data.prepared reads it back); core.data.loader batches either.
+its result to Parquet (posttrain.core.data.prepared reads it back); posttrain.core.data.loader batches either.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.data.encode import Document, Encoder, PreferencePair, Tokenizer, num_tokens
-from core.data.errors import DataError, DropStats, RowError, describe
-from core.data.formats import FORMATS, Example, detect_format, task_of, validate_row
-from core.data.sources import RawRow, Source, open_sources
-from core.data.split import SPLITS, assign_split, content_hash, split_key
+from posttrain.core.data.encode import Document, Encoder, PreferencePair, Tokenizer, num_tokens
+from posttrain.core.data.errors import DataError, DropStats, RowError, describe
+from posttrain.core.data.formats import FORMATS, Example, detect_format, task_of, validate_row
+from posttrain.core.data.sources import RawRow, Source, open_sources
+from posttrain.core.data.split import SPLITS, assign_split, content_hash, split_key
 
 if TYPE_CHECKING:
-    from core.data.config import DataConfig
+    from posttrain.core.data.config import DataConfig
 
 _EXPECTED = "messages, prompt+completion, prompt+chosen+rejected, chosen+rejected, or prompt+completion+label"
 
@@ -43,7 +43,7 @@ class ExamplePipeline:
     """What happens to every validated example, in `load_data` and in data prep alike: dedup by
     content hash (dedup=True), tokenize with the Encoder (chat template, label masks, truncation),
     drop examples under `min_tokens`, and route to a split: the one the source names (a saved
-    DatasetDict's), else by a hash of the prompt side (core.data.split). Raises RowError."""
+    DatasetDict's), else by a hash of the prompt side (posttrain.core.data.split). Raises RowError."""
 
     def __init__(self, encoder: Encoder, val_fraction: float, test_fraction: float = 0.0, *, dedup: bool = False,
                  min_tokens: int = 1):
@@ -85,7 +85,7 @@ def read_template(template: str | None) -> str | None:
 def load_data(cfg: DataConfig, tokenizer: Tokenizer, tag: Callable[[Any], int] | None = None) -> PreparedData:
     """Read, validate and tokenize cfg.sources. Raises DataError for the first bad row (or any
     source problem) when cfg.on_bad_row == "error"; otherwise counts bad rows in `stats`. `tag`
-    (raw row -> adapter index, or RowError; core.data.routing) sets every item's adapter."""
+    (raw row -> adapter index, or RowError; posttrain.core.data.routing) sets every item's adapter."""
     pipeline = ExamplePipeline(make_encoder(cfg, tokenizer), cfg.val_fraction, cfg.test_fraction, dedup=cfg.dedup)
     splits: dict[str, list] = {s: [] for s in SPLITS}
 

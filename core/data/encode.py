@@ -2,7 +2,7 @@
 
 Labels are the input ids with IGNORE_INDEX (-100) everywhere except assistant / completion tokens
 (the tokenizer's masks: each assistant reply and its end-of-turn token). They are *unshifted*: the
-loss shifts them (core.losses, shift=True), so the label at position t is the target of the logits
+loss shifts them (posttrain.core.losses, shift=True), so the label at position t is the target of the logits
 at t - 1.
 
 Truncation, when prompt + completion exceed max_seq_len:
@@ -18,16 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from core.data.errors import DataError, RowError
-from core.data.formats import Conversation, Example, Preference, Unpaired, common_prefix
-from core.losses import IGNORE_INDEX
+from posttrain.core.data.errors import DataError, RowError
+from posttrain.core.data.formats import Conversation, Example, Preference, Unpaired, common_prefix
+from posttrain.core.losses import IGNORE_INDEX
 
 
 TRUNCATIONS = ("right", "left", "drop")
 
 
 class Tokenizer(Protocol):
-    """What the data path needs of a tokenizer (registry.tokenizer.Tokenizer is one): core does
+    """What the data path needs of a tokenizer (posttrain.registry.tokenizer.Tokenizer is one): core does
     not import the registry."""
 
     bos_id: int | None
@@ -47,7 +47,7 @@ class Document:
 
     input_ids: list[int]
     labels: list[int]
-    adapter: int | None = None  # several adapters trained at once: the one it trains (core.data.routing)
+    adapter: int | None = None  # several adapters trained at once: the one it trains (posttrain.core.data.routing)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -63,7 +63,7 @@ class PreferencePair:
     chosen_labels: list[int]
     rejected_ids: list[int]
     rejected_labels: list[int]
-    adapter: int | None = None  # several adapters trained at once: the one it trains (core.data.routing)
+    adapter: int | None = None  # several adapters trained at once: the one it trains (posttrain.core.data.routing)
 
     def _doc(self, ids: list[int], labels: list[int]) -> Document:
         return Document(self.prompt_ids + ids, [IGNORE_INDEX] * len(self.prompt_ids) + labels, self.adapter)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from core.data.errors import RowError, describe, show
+from posttrain.core.data.errors import RowError, describe, show
 
 Message = dict[str, Any]
 Text = Union[str, list[Message]]  # a plain string, or a list of chat messages

@@ -1,7 +1,7 @@
 """The one loader the training stages use: documents or preference pairs -> micro-batches.
 
 Units. The sampler deals *units* of known token length:
-  documents, packing=true   packed rows (core.data.packing.pack, first-fit decreasing) of at most
+  documents, packing=true   packed rows (posttrain.core.data.packing.pack, first-fit decreasing) of at most
                             max_seq_len tokens each, several documents per row;
   documents, packing=false  one document per unit (a "sequence" of micro_batch_size);
   preference pairs          one pair per unit (chosen and rejected always travel together);
@@ -10,7 +10,7 @@ A micro-batch is micro_batch_size units, or, with batch_tokens, as many units as
 many tokens (batch_tokens replaces micro_batch_size).
 
 Layout. Padding-free by default: the micro-batch's documents in one (1, T) row whose position_ids
-restart at 0 at every document, so attention never crosses documents (core.model reads the resets;
+restart at 0 at every document, so attention never crosses documents (posttrain.core.model reads the resets;
 the varlen / per-document attention path costs what the documents cost). packing=false keeps that
 layout, one document per sequence, rather than padded (B, L) rows with an attention_mask: the model
 accepts those, but an attention_mask turns attention into a dense (B, 1, L, L) masked SDPA over the
@@ -36,14 +36,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from core.data.encode import Document, PreferencePair, UnpairedExample
-from core.data.errors import DataError
-from core.data.packing import collate_padded, collate_padding_free, collate_preference, collate_unpaired, pack
-from core.data.sampler import BatchSampler, StatefulLoader
+from posttrain.core.data.encode import Document, PreferencePair, UnpairedExample
+from posttrain.core.data.errors import DataError
+from posttrain.core.data.packing import collate_padded, collate_padding_free, collate_preference, collate_unpaired, pack
+from posttrain.core.data.sampler import BatchSampler, StatefulLoader
 
 if TYPE_CHECKING:
-    from core.data.config import DataConfig
-    from core.data.dataset import PreparedData
+    from posttrain.core.data.config import DataConfig
+    from posttrain.core.data.dataset import PreparedData
 
 
 class Loader(StatefulLoader):
@@ -89,7 +89,7 @@ def build_loader(items: Sequence[Document | PreferencePair] | PreparedData, cfg:
     evaluation, the same number of batches on every rank (see the module doc).
     padding_free: one (1, T) row per micro-batch (default) or (B, L) padded rows with an
     attention_mask. shuffle / drop_last override the defaults (train: both; evaluation: neither)."""
-    from core.data.dataset import PreparedData
+    from posttrain.core.data.dataset import PreparedData
 
     if isinstance(items, PreparedData):
         pad_id = items.pad_id if pad_id is None else pad_id

@@ -1,7 +1,7 @@
 """Packing documents into fixed token budgets, and collating them into model-ready tensors.
 
 Packed rows never let one document see another: position_ids restart at 0 at each document start
-(core.model reads a reset as a document boundary and masks attention across it), and `cu_seqlens`
+(posttrain.core.model reads a reset as a document boundary and masks attention across it), and `cu_seqlens`
 (int32 prefix sums of document lengths, as varlen flash-attention kernels take them) says the same
 for kernels that want it. Loss labels must not cross documents either: with shifted labels the
 logits at the last token of document A are scored against labels[first token of B], so the label of
@@ -14,9 +14,9 @@ Two layouts:
                 on padding, whose positions form their own run from 0 (so cu_seqlens, over the
                 flattened (B*L) tokens, stays consistent with position_ids).
 
-Documents tagged with an adapter (several adapters trained at once, core.data.routing) add
+Documents tagged with an adapter (several adapters trained at once, posttrain.core.data.routing) add
 `adapter_ids`, each token's adapter (-1 on padding and untagged documents), the routing
-core.lora.route_adapters takes, and `sequence_adapters`, each document's.
+posttrain.core.lora.route_adapters takes, and `sequence_adapters`, each document's.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from core.data.encode import Document, PreferencePair, UnpairedExample
-from core.losses import IGNORE_INDEX
+from posttrain.core.data.encode import Document, PreferencePair, UnpairedExample
+from posttrain.core.losses import IGNORE_INDEX
 
 PACKING_STRATEGIES = ("ffd", "greedy")
 
@@ -212,7 +212,7 @@ def collate_unpaired(examples: Sequence[UnpairedExample], padding_free: bool = T
 
 
 def sequence_sums(values: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
-    """Sum per sequence of per-token values (e.g. `core.losses.token_logps`) -> (num_sequences,).
+    """Sum per sequence of per-token values (e.g. `posttrain.core.losses.token_logps`) -> (num_sequences,).
 
     With shifted labels the value at position t scores token t + 1; it is credited to token t's
     sequence, which is right because a document's last position scores the next document's first

@@ -29,16 +29,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-from core.data.encode import (Document, PreferencePair, Tokenizer, UnpairedExample, fit_unpaired, last_run_start,
+from posttrain.core.data.encode import (Document, PreferencePair, Tokenizer, UnpairedExample, fit_unpaired, last_run_start,
                               truncate)
-from core.data.errors import DataError, DropStats, RowError
-from core.losses import IGNORE_INDEX
-from core.data.split import canonical_split
-from core.manifest import is_stage_dir, read_manifest
+from posttrain.core.data.errors import DataError, DropStats, RowError
+from posttrain.core.losses import IGNORE_INDEX
+from posttrain.core.data.split import canonical_split
+from posttrain.core.manifest import is_stage_dir, read_manifest
 
 if TYPE_CHECKING:
-    from core.data.config import DataConfig
-    from core.data.routing import AdapterRouting
+    from posttrain.core.data.config import DataConfig
+    from posttrain.core.data.routing import AdapterRouting
 
 TASKS = ("sft", "preference", "unpaired")
 COLUMNS = {
@@ -123,9 +123,9 @@ def read_documents(sources: Sources, split: str, cfg: DataConfig | None = None,
                    bos_id: int | None = None, routing: AdapterRouting | None = None) -> list[Document]:
     """SFT Documents of a split of prepared sources, with the stored labels. With the stage's `cfg`:
     `mask_prompt=False` puts the loss on every token, and a document over `max_seq_len` goes
-    through `truncation` as a raw row would (core.data.encode.truncate); one no policy can fit is
+    through `truncation` as a raw row would (posttrain.core.data.encode.truncate); one no policy can fit is
     a DataError naming its file and row (or skipped, with on_bad_row='skip'). With `routing`, each
-    document is tagged with its row's adapter (core.data.routing), a bad one an error the same way."""
+    document is tagged with its row's adapter (posttrain.core.data.routing), a bad one an error the same way."""
     docs = []
     for src in _as_list(sources):
         tag = routing.tagger(src) if routing is not None else None
@@ -223,7 +223,7 @@ def _load_raw(src: str | Path, task: str, tokenizer: Tokenizer | None, cfg: Data
               stats: DropStats | None = None, routing: AdapterRouting | None = None):
     """load_data of one raw source (every split), checked to hold `task` rows (tagged with their
     adapters by `routing`); its skipped rows are added to `stats`."""
-    from core.data.dataset import load_data
+    from posttrain.core.data.dataset import load_data
 
     if tokenizer is None or cfg is None:
         raise DataError("raw data (not a data-prep stage directory) needs a tokenizer and a DataConfig",
@@ -246,8 +246,8 @@ def data_task(sources: Sources, want: str = "preference") -> str:
     single completions), without reading them through: a data-prep stage directory by its outputs,
     a raw source by the columns of its table or first JSONL row (as format detection does).
     "preference" when nothing tells; DataError when the sources mix the two."""
-    from core.data.formats import detect_format, task_of
-    from core.data.sources import open_sources
+    from posttrain.core.data.formats import detect_format, task_of
+    from posttrain.core.data.sources import open_sources
 
     found: dict[str, str] = {}
     for src in _as_list(sources):
@@ -286,7 +286,7 @@ def load_splits(sources: Sources, task: str, splits: Sequence[str], tokenizer: T
     prep's output is read back split by split (cut to cfg.max_seq_len); a raw source (JSONL,
     Parquet, saved datasets) is validated, tokenized and split once by load_data with cfg, its
     skipped rows counted in `stats`. Every bad row is raised (or counted) here, before training.
-    With `routing` (several adapters), every item is tagged with its adapter (core.data.routing)."""
+    With `routing` (several adapters), every item is tagged with its adapter (posttrain.core.data.routing)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
     out: dict[str, list] = {canonical_split(s): [] for s in splits}

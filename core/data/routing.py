@@ -3,7 +3,7 @@
 A row names its adapter in a column (`adapter` by default), or its whole source is mapped to one
 (a data source as data.sources lists it: a file, a directory, a data-prep stage dir). The adapter
 is stored on the tokenized item (`Document.adapter`, `PreferencePair.adapter`: an index into the
-adapter names), and collation turns it into per-token ids (core.data.packing: `adapter_ids`), so a
+adapter names), and collation turns it into per-token ids (posttrain.core.data.packing: `adapter_ids`), so a
 packed row routes each document's tokens to its own adapter. A row naming no adapter, or one that
 is not trained, is a bad row: DataError naming file, row and field (or skipped with
 on_bad_row='skip').
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.data.errors import RowError, describe
+from posttrain.core.data.errors import RowError, describe
 
 
 def same_source(a: str | Path, b: str | Path) -> bool:

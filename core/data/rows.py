@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.data.errors import DataError, DropStats, RowError, describe
-from core.data.formats import FORMATS, Conversation, Preference, PromptCompletion, Text, validate_row
-from core.data.prepared import _as_list, is_prepared, prepared_files, read_rows
-from core.data.sources import open_sources
+from posttrain.core.data.errors import DataError, DropStats, RowError, describe
+from posttrain.core.data.formats import FORMATS, Conversation, Preference, PromptCompletion, Text, validate_row
+from posttrain.core.data.prepared import _as_list, is_prepared, prepared_files, read_rows
+from posttrain.core.data.sources import open_sources
 
 _STRUCTURE = ("messages", "prompt", "completion", "chosen", "rejected")
 _TOKENS = ("input_ids", "labels", "prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels",

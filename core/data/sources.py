@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.data.errors import DataError, RowError, show
-from core.data.split import SPLITS
+from posttrain.core.data.errors import DataError, RowError, show
+from posttrain.core.data.split import SPLITS
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)

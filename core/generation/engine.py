@@ -6,12 +6,12 @@
         for out in engine.step(): ...        # RequestOutputs of the requests that finished
     outs = engine.generate(prompts, params)  # or all at once, in prompt order
 
-Each `step` asks the scheduler (core.generation.scheduler) for the next batch (requests join and
+Each `step` asks the scheduler (posttrain.core.generation.scheduler) for the next batch (requests join and
 leave every step; prompts are prefilled in chunks under the token budget; the newest sequence is
 preempted when the block pool runs out), flattens it into one ForwardBatch, makes one model call
 (`ModelRunner.forward`, the piece a tensor-parallel or LoRA-aware runner replaces), and then, for
 each sequence whose tokens are all computed, samples one token from its logits row with its own
-generator (core.generation.sampling), records log-probs, and checks stop tokens, stop strings and
+generator (posttrain.core.generation.sampling), records log-probs, and checks stop tokens, stop strings and
 max_tokens. A finished sequence frees its blocks at once (prefix-cached ones stay evictable).
 """
 
@@ -21,12 +21,12 @@ from typing import Callable
 
 import torch
 
-from core.generation.paged import BlockManager
-from core.generation.runner import ForwardBatch, ModelRunner
-from core.generation.sampling import (Completion, RequestOutput, RequestParams, hits_stop_string, sample_rows,
+from posttrain.core.generation.paged import BlockManager
+from posttrain.core.generation.runner import ForwardBatch, ModelRunner
+from posttrain.core.generation.sampling import (Completion, RequestOutput, RequestParams, hits_stop_string, sample_rows,
                                       token_logprobs)
-from core.generation.scheduler import Request, Scheduler, Sequence
-from core.model.model import Transformer
+from posttrain.core.generation.scheduler import Request, Scheduler, Sequence
+from posttrain.core.model.model import Transformer
 
 
 class Engine:
@@ -38,7 +38,7 @@ class Engine:
         replacement model call (default: ModelRunner over `model`)."""
         if getattr(model, "staged_forward", None) is not None:
             raise ValueError("the engine runs a whole model; a pipeline-parallel one decodes through "
-                             "core.model.generate")
+                             "posttrain.core.model.generate")
         if max_batch_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_batch_tokens and max_num_seqs must be at least 1")
         if num_blocks is None:
@@ -48,7 +48,7 @@ class Engine:
         self.device = self.runner.device
         self.blocks = BlockManager(num_blocks, block_size, self.runner.cache, enable_prefix_cache)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens, self.device)
-        from core.lora.model import adapter_names
+        from posttrain.core.lora.model import adapter_names
 
         self.adapters = adapter_names(model)
         self.requests: dict[int, Request] = {}
@@ -193,18 +193,18 @@ class Engine:
 
 def engine_generate(model: Transformer, prompts: list[list[int]], params, n: int = 1, block_size: int = 16,
                     max_batch_tokens: int = 2048) -> list:
-    """core.model.generate's contract through the engine: `n` samples of each prompt (they share
-    its KV blocks; the prompt is computed once), as core.model.generate.Generation objects in
+    """posttrain.core.model.generate's contract through the engine: `n` samples of each prompt (they share
+    its KV blocks; the prompt is computed once), as posttrain.core.model.generate.Generation objects in
     prompt-major order (prompt 0's n samples, then prompt 1's, ...), the same as generate() on
-    the prompts repeated n times. params: a core.model.generate.SamplingParams, or a list of one
+    the prompts repeated n times. params: a posttrain.core.model.generate.SamplingParams, or a list of one
     per prompt (e.g. each with its own seed). Sample i of a
-    prompt draws from its own generator seeded seed + i (core.generation.sampling), so it does not
+    prompt draws from its own generator seeded seed + i (posttrain.core.generation.sampling), so it does not
     depend on what else is in the batch; greedy tokens equal generate()'s. The model must be whole
     on this process or split by tensor parallelism (decode mode: no sequence parallelism), every
     rank of the tp group calling this with the same prompts; not pipelined or FSDP-sharded."""
     from torch.distributed.tensor import DTensor
 
-    from core.model.generate import Generation
+    from posttrain.core.model.generate import Generation
 
     from torch.distributed.fsdp import FSDPModule
 

@@ -4,9 +4,9 @@ over torch.distributed, surviving a worker's death.
 Roles. The trainer's lead rank owns a `GeneratorPool`: it spawns `workers` generator processes on
 its host, each building its own model (`WorkerSpec.build`, the trainer's architecture, adapters
 and dtype; a picklable callable) on its own device and running the paged-KV engine
-(core.generation.engine.engine_generate) on request. Every trainer rank holds a `Disaggregated`,
+(posttrain.core.generation.engine.engine_generate) on request. Every trainer rank holds a `Disaggregated`,
 whose `sync` is collective over the trainer's ranks (gathering a sharded policy bucket by bucket,
-core.generation.weights.WeightPublisher) and sends the weights from the lead to every worker.
+posttrain.core.generation.weights.WeightPublisher) and sends the weights from the lead to every worker.
 
 Channels. The lead hosts a TCPStore. Commands (sync, generate, stop) and generation results are
 small JSON documents under per-worker keys of it (never pickles: a store
@@ -27,7 +27,7 @@ with the same samples whatever fails and however the requests are spread. A work
 is gone (its parent process changed) exits.
 
 Versions. Each sync carries a version (the trainer's choice, e.g. rounds trained); each result is
-tagged with the version of the weights that made it (core.generation.weights.Staleness decides what
+tagged with the version of the weights that made it (posttrain.core.generation.weights.Staleness decides what
 an old one is worth).
 """
 
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.generation.weights import SyncStats, WeightPublisher, WeightSubscriber
+from posttrain.core.generation.weights import SyncStats, WeightPublisher, WeightSubscriber
 
 # a raw two-member group (not registered in the world) passed where torch.distributed wants a
 # ProcessGroup: it works (group ranks, group_src=) but warns once per call
@@ -85,7 +85,7 @@ class Request:
 
 @dataclass
 class Result:
-    generations: list  # core.model.generate.Generation, prompt-major
+    generations: list  # posttrain.core.model.generate.Generation, prompt-major
     version: int  # of the weights that made them
     worker: int
 
@@ -109,7 +109,7 @@ def _encode_result(version: int | None, gens: list) -> bytes:
 
 
 def _decode_result(raw: bytes) -> tuple[int | None, list]:
-    from core.model.generate import Generation
+    from posttrain.core.model.generate import Generation
 
     version, gens = json.loads(raw)
     return version, [Generation(t, f, lp) for t, f, lp in gens]
@@ -129,8 +129,8 @@ def _worker_main(spec: WorkerSpec, port: int, prefix: str, parent: int, timeout_
     try:
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        from core.generation.engine import engine_generate
-        from core.model.generate import SamplingParams
+        from posttrain.core.generation.engine import engine_generate
+        from posttrain.core.model.generate import SamplingParams
 
         device = torch.device(spec.device)
         if device.type == "cuda":

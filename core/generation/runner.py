@@ -1,5 +1,5 @@
 """The engine's model call: one forward over a flat, variable-length batch of tokens on a paged
-KV cache, reusing the model's own modules (core.model.model is not modified).
+KV cache, reusing the model's own modules (posttrain.core.model.model is not modified).
 
 A step's tokens (prompt chunks of new sequences and one token per decoding sequence) are
 concatenated into one row of T tokens. Each layer runs the model's Block pieces itself:
@@ -13,18 +13,18 @@ sequence s (position ctx_len[s] - q_len[s] + i) sees key j when j <= its positio
 sliding-window layer (args.window_of(layer)), position - j < window; unused query rows see key 0
 only (never an all-masked row). GQA repeats the KV heads as the model's mask path does. Where
 the paged decode kernel runs on Triton (CUDA, or TRITON_INTERPRET=1; `paged_decode_kernel_applies`),
-the decode group skips the gather and the mask: kernels.paged_attention reads its keys and values
+the decode group skips the gather and the mask: posttrain.kernels.paged_attention reads its keys and values
 straight from the pools through the block tables (same function; the CPU keeps SDPA). Elsewhere,
 when the decoding sequences share leading blocks (the n samples of a prompt) so that reading them
 once per family saves a quarter of the blocks, the decode group is one group that takes cascade
-attention (core.generation.cascade: shared blocks once per family, then each sequence's own, the
+attention (posttrain.core.generation.cascade: shared blocks once per family, then each sequence's own, the
 two softmaxes merged). A prefill group of prompts that all start in this step, where the varlen
 flash-attention kernel runs on Triton, attends through it over this step's own keys (packed one
 prompt after another already), with no gather and no mask. Then
 o_proj, mlp_norm and the block's mlp (dense or MoE, token-wise either way), the final norm, and
 lm_head on the rows that sample only.
 
-Under tensor parallelism (the model split by core.parallel's TP plan without sequence
+Under tensor parallelism (the model split by posttrain.core.parallel's TP plan without sequence
 parallelism, as for decoding) the same code runs on each rank of the tp group: the projections
 give this rank's heads, so its cache holds its KV heads only; o_proj and the MLP reduce over the
 group; the vocab-split logits are gathered, so every rank samples from the same logits (with the
@@ -42,14 +42,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core.generation.cascade import SharedPrefix, cascade_attention, plan_shared_prefix
-from core.generation.paged import PagedKVCache
-from core.lora.model import route_adapters
-from core.model.model import Transformer
-from core.model.rope import rope_cos_sin
-from kernels.flash_attention import flash_attn_varlen, flash_attn_varlen_applies
-from kernels.paged_attention import paged_decode_attention, paged_decode_kernel_applies
-from kernels.rope import apply_rope
+from posttrain.core.generation.cascade import SharedPrefix, cascade_attention, plan_shared_prefix
+from posttrain.core.generation.paged import PagedKVCache
+from posttrain.core.lora.model import route_adapters
+from posttrain.core.model.model import Transformer
+from posttrain.core.model.rope import rope_cos_sin
+from posttrain.kernels.flash_attention import flash_attn_varlen, flash_attn_varlen_applies
+from posttrain.kernels.paged_attention import paged_decode_attention, paged_decode_kernel_applies
+from posttrain.kernels.rope import apply_rope
 
 
 @dataclass
@@ -69,7 +69,7 @@ class AttentionGroup:
     """(S_g, max_blocks) block ids, padded with block 0 (masked out)."""
     shared: SharedPrefix | None = None
     """A decode group whose sequences share leading blocks: its families, for cascade attention
-    (core.generation.cascade) where the paged decode kernel does not run."""
+    (posttrain.core.generation.cascade) where the paged decode kernel does not run."""
     fresh: bool = False
     """A prefill group of prompts computed from their first token in this step: each sequence's
     keys are all this step's, its tokens contiguous in the flat batch (the varlen kernel's packed
@@ -180,7 +180,7 @@ def attention_mask(q_lens: list[int], ctx_lens: list[int], max_ctx: int, window:
 
 
 class ModelRunner:
-    """Runs a core.model Transformer (every layer on this process) over ForwardBatches."""
+    """Runs a posttrain.core.model Transformer (every layer on this process) over ForwardBatches."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int):
         self.model, self.args = model, model.args
@@ -253,7 +253,7 @@ class ModelRunner:
         logits = model.lm_head(hidden).float()
         group = getattr(model.lm_head, "tp_group", None)
         if group is not None:  # tensor parallelism: each rank's vocab slice, gathered (the same on every rank)
-            from core.parallel.mappings import all_gather
+            from posttrain.core.parallel.mappings import all_gather
 
             logits = all_gather(logits, -1, group)
         return logits
@@ -262,7 +262,7 @@ class ModelRunner:
         """The group's ctx_lens as a tensor when it is a decode group (one query per sequence) and
         the paged decode kernel would run on Triton (CUDA, or the interpreter); None otherwise,
         and the group takes gather + SDPA (the CPU path). The kernel's default scale, head_dim ** -0.5,
-        is the model's (SDPA's default in core.model.model)."""
+        is the model's (SDPA's default in posttrain.core.model.model)."""
         if not all(n == 1 for n in g.q_lens):
             return None
         ctx = torch.tensor(g.ctx_lens, dtype=torch.int32, device=self.device)

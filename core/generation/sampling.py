@@ -4,10 +4,10 @@ Every sequence samples from its own logits row with its own `torch.Generator` (s
 request's seed, plus the sample's index for n > 1), so a seeded sample depends on its request
 alone, not on what else shares the batch or on when it was scheduled: a sequence draws exactly one
 uniform per token and takes the token where the filtered distribution's CDF passes it. Filtering:
-temperature, then top-k and top-p (core.model.generate's filter_logits), then min-p (drop tokens
+temperature, then top-k and top-p (posttrain.core.model.generate's filter_logits), then min-p (drop tokens
 whose probability is under min_p times the most likely one's), batched over the step's rows that
 share those settings (`sample_rows`). Log-probabilities are of the raw (temperature 1, unfiltered) distribution, as in
-core.model.generate.
+posttrain.core.model.generate.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.model.generate import filter_logits
+from posttrain.core.model.generate import filter_logits
 
 
 @dataclass
@@ -46,7 +46,7 @@ class RequestParams:
     """Also record the k most likely tokens' log-probabilities at each step."""
     adapter: str | None = None
     """The LoRA adapter this request decodes with (requests for different adapters share a batch,
-    each token routed to its own; core.lora.route_adapters). None: the model as it is, or, in a
+    each token routed to its own; posttrain.core.lora.route_adapters). None: the model as it is, or, in a
     step where another request names an adapter, the base alone."""
 
     def __post_init__(self) -> None:
@@ -59,7 +59,7 @@ class RequestParams:
 
 @dataclass
 class Completion:
-    """One sample of a request (the fields of core.model.generate.Generation, and more)."""
+    """One sample of a request (the fields of posttrain.core.model.generate.Generation, and more)."""
 
     tokens: list[int]
     """New tokens, the stop token included when one ended the sequence."""

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.generation.paged import BlockManager, BlockTable
-from core.generation.sampling import RequestParams, make_generator
+from posttrain.core.generation.paged import BlockManager, BlockTable
+from posttrain.core.generation.sampling import RequestParams, make_generator
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Weight sync from a trainer to generator processes (disaggregated generation): versioned,
-bucketed, full or LoRA-only, from any layout core.parallel trains under.
+bucketed, full or LoRA-only, from any layout posttrain.core.parallel trains under.
 
 Roles. Trainer ranks hold the policy in whatever layout they train it (one process, DDP, FSDP /
 HSDP, TP, or a mix; every trainer rank takes part in a sync, since gathering a sharded tensor is
@@ -20,7 +20,7 @@ generator): the source broadcasts a header (version, number of buckets); then pe
 trainer rank gathers the bucket's tensors (DTensor.full_tensor: one bucket at a time, so no rank
 holds more than its shards plus one bucket), the source packs them into one flat buffer and
 broadcasts it, and each generator copies its block of every tensor out of it (the whole tensor,
-or its tensor-parallel slice: core.parallel.materialize.local_part) through views made once of
+or its tensor-parallel slice: posttrain.core.parallel.materialize.local_part) through views made once of
 the buffer (a staging buffer kept between syncs, or a ring slot). The generator then carries the
 version, which the engine tags its generations with; `Staleness` says what to do with a sample
 made by weights more than k versions old. A generator waiting longer than the group's timeout
@@ -79,7 +79,7 @@ def manifest(model: nn.Module, lora_only: bool = False) -> list[tuple[str, tuple
 
 def _tensors(model: nn.Module, lora_only: bool) -> list[tuple[str, Tensor]]:
     if lora_only:
-        from core.lora.model import lora_parameters
+        from posttrain.core.lora.model import lora_parameters
 
         adapters = {id(p) for p in lora_parameters(model)}
         out = [(n, p) for n, p in model.named_parameters() if id(p) in adapters]
@@ -474,7 +474,7 @@ class WeightSubscriber:
 def _backend(group) -> str:
     try:
         return str(dist.get_backend(group))
-    except (ValueError, RuntimeError):  # a raw group, not in the world's map (core.generation.remote)
+    except (ValueError, RuntimeError):  # a raw group, not in the world's map (posttrain.core.generation.remote)
         return group.name()
 
 
@@ -492,7 +492,7 @@ def _copy_block(dst: Tensor, whole: Tensor) -> None:
     if not isinstance(dst, DTensor):
         dst.copy_(whole)
         return
-    from core.parallel.materialize import local_part
+    from posttrain.core.parallel.materialize import local_part
 
     local, block = local_part(dst)
     local.copy_(whole[block].to(local.device))

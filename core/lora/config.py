@@ -1,4 +1,4 @@
-"""LoRAConfig: what core.lora.apply_lora builds (its only source of defaults)."""
+"""LoRAConfig: what posttrain.core.lora.apply_lora builds (its only source of defaults)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from core.config import ConfigModel
+from posttrain.core.config import ConfigModel
 
 
 class LoRAConfig(ConfigModel):

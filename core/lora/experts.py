@@ -1,4 +1,4 @@
-"""LoRA on a mixture-of-experts layer's stacked experts (core.model.moe.GroupedExperts).
+"""LoRA on a mixture-of-experts layer's stacked experts (posttrain.core.model.moe.GroupedExperts).
 
 Every expert e gets its own low-rank update of its gate+up weights, stacked as HF stores them
 (gate rows first, then up: (2I, H)), and of its down weights (H, I):
@@ -11,7 +11,7 @@ with s = alpha / r (alpha / sqrt(r) with rsLoRA), B zero at the start. This is w
 Mixtral / Qwen2-MoE (registry/adapters.py writes and reads that layout). The experts run on
 their effective weights, W + s B A, built once per forward for the experts this rank holds (as
 peft folds the update into the base weight): every parameter keeps a leading expert dimension,
-so expert parallelism shards the adapters with the experts (core.parallel.expert.shard_experts)
+so expert parallelism shards the adapters with the experts (posttrain.core.parallel.expert.shard_experts)
 and FSDP shards them like any other weight.
 """
 
@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from core.lora.layer import init_lora_a
+from posttrain.core.lora.layer import init_lora_a
 
 PARAMS = ("gate_up_A", "gate_up_B", "down_A", "down_B")
 
@@ -92,7 +92,7 @@ def apply_expert_lora(model: nn.Module, name: str, rank: int, alpha: float, drop
                       init_lora_weights: str) -> list[str]:
     """Give every GroupedExperts of `model` adapter `name` (as its child `lora`); the names of
     the adapted experts modules."""
-    from core.model.moe import GroupedExperts
+    from posttrain.core.model.moe import GroupedExperts
 
     done = []
     for mname, mod in list(model.named_modules()):

@@ -30,19 +30,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.quant import NF4Weight, nf4_linear, quantize_nf4
-from kernels.dispatch import use_triton
-from kernels.lora import lora_linear, lora_linear_multi
+from posttrain.core.quant import NF4Weight, nf4_linear, quantize_nf4
+from posttrain.kernels.dispatch import use_triton
+from posttrain.kernels.lora import lora_linear, lora_linear_multi
 
 OUTPUT_HEADS = ("lm_head", "output")  # left out of "all-linear" unless `exclude` says otherwise
-# (weight, bias, A, B, scale, dropout): the arguments of kernels.lora.lora_linear after x.
+# (weight, bias, A, B, scale, dropout): the arguments of posttrain.kernels.lora.lora_linear after x.
 PlainLoRA = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float, float]
 
 
 def init_lora_a(a: torch.Tensor, init: str) -> torch.Tensor:
     """A (r, in) drawn in place from the global RNG of its device: Kaiming-uniform(a=sqrt(5)), or
     N(0, 1/r^2) for "gaussian" (PiSSA overwrites it afterwards). Also how an adapter built on
-    the meta device gets its values once materialized (core.parallel.materialize)."""
+    the meta device gets its values once materialized (posttrain.core.parallel.materialize)."""
     if init == "gaussian":
         return nn.init.normal_(a, std=1 / a.shape[0])
     return nn.init.kaiming_uniform_(a, a=math.sqrt(5))
@@ -73,7 +73,7 @@ class LoRALinear(nn.Module):
         # Local adapter index per example (B,) or per token (B, T); len(adapters) = none. See route_adapters.
         self.routing: torch.Tensor | None = None
         self.base_rewritten = False  # PiSSA moved part of W into an adapter
-        # Quantization-aware training (core.qat.prepare_qat): fake quantizers of the merged
+        # Quantization-aware training (posttrain.core.qat.prepare_qat): fake quantizers of the merged
         # weight and of the input; stateless modules, so the state dict is unchanged.
         self.qat_weight: nn.Module | None = None
         self.qat_input: nn.Module | None = None
@@ -164,7 +164,7 @@ class LoRALinear(nn.Module):
     def plain_lora(self) -> PlainLoRA | None:
         """(weight, bias, A, B, scale, dropout) in the common case, one active adapter and nothing
         else (no merge, routing, quantized base or DoRA); dropout is 0 outside training. Then
-        forward is kernels.lora.lora_linear(x, *these), which a caller may fuse with what
+        forward is posttrain.kernels.lora.lora_linear(x, *these), which a caller may fuse with what
         produces x."""
         name = self.active_adapter
         if (name is None or self.disabled or self.merged or self.routing is not None or self.quantized
@@ -175,7 +175,7 @@ class LoRALinear(nn.Module):
 
     def fusable_lora(self) -> PlainLoRA | None:
         """plain_lora() when a caller may run this layer's forward itself, as
-        kernels.lora.lora_linear(x, *these) fused with what produces x (core.model.layers.MLP
+        posttrain.kernels.lora.lora_linear(x, *these) fused with what produces x (posttrain.core.model.layers.MLP
         fuses SwiGLU into it); else None. That needs the plain state plain_lora() describes, and
         the module called as is: exactly a LoRALinear (tensor-parallel and FSDP forms change the
         class) with no forward hooks or pre-hooks, which a fused call would skip."""

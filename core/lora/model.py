@@ -14,9 +14,9 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from core.lora.config import LoRAConfig
-from core.lora.experts import PARAMS as EXPERT_PARAMS, apply_expert_lora, expert_loras
-from core.lora.layer import OUTPUT_HEADS, LoRALinear
+from posttrain.core.lora.config import LoRAConfig
+from posttrain.core.lora.experts import PARAMS as EXPERT_PARAMS, apply_expert_lora, expert_loras
+from posttrain.core.lora.layer import OUTPUT_HEADS, LoRALinear
 
 
 

@@ -1,4 +1,4 @@
-"""The model a stage loads (core.model, registry.hf): which, in what dtype, run how."""
+"""The model a stage loads (posttrain.core.model, posttrain.registry.hf): which, in what dtype, run how."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from core.config import ConfigModel, Dtype
+from posttrain.core.config import ConfigModel, Dtype
 
 
 class ModelConfig(ConfigModel):

@@ -7,8 +7,8 @@ Every step is one call of the model's forward (the lm_head applied to the last p
 Under tensor parallelism (outside sequence parallelism: parallel.tensor's decode mode) each rank
 caches its own KV heads, the vocab-split logits are gathered, and the ranks of a tp group, which
 decode the same rows, all take the tokens tp rank 0 drew. Under pipeline parallelism (a model
-split by core.parallel.pipeline.keep_own_stages) each step runs the stages one after the other
-(core.parallel.pipeline_decode: each rank caches its stages' layers only), and the last stage's
+split by posttrain.core.parallel.pipeline.keep_own_stages) each step runs the stages one after the other
+(posttrain.core.parallel.pipeline_decode: each rank caches its stages' layers only), and the last stage's
 tokens and log-probs are broadcast to the pipeline's other ranks.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.model.model import KVCache, Transformer
+from posttrain.core.model.model import KVCache, Transformer
 
 
 @dataclass
@@ -72,7 +72,7 @@ def _last_logits(model: Transformer, ids, positions, mask, cache: KVCache) -> to
     logits = model(ids, positions, mask, cache=cache, head=lambda h, w: model.lm_head(h[:, -1])).float()
     group = _tp_group(model)
     if group is not None:
-        from core.parallel.mappings import all_gather
+        from posttrain.core.parallel.mappings import all_gather
 
         logits = all_gather(logits, -1, group)
     return logits
@@ -111,7 +111,7 @@ def generate(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
     if getattr(model, "pipeline", None) is not None:
-        from core.parallel.pipeline_decode import StagedModel
+        from posttrain.core.parallel.pipeline_decode import StagedModel
 
         fwd = StagedModel(model, model.pipeline)
     else:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.lora import LoRALinear
-from kernels.lora import swiglu_lora_linear
-from kernels.rmsnorm import rms_norm
-from kernels.swiglu import swiglu
+from posttrain.core.lora import LoRALinear
+from posttrain.kernels.lora import swiglu_lora_linear
+from posttrain.kernels.rmsnorm import rms_norm
+from posttrain.kernels.swiglu import swiglu
 
 
 class RMSNorm(nn.Module):

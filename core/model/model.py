@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.model.args import ModelArgs
-from core.model.layers import MLP, RMSNorm
-from core.model.moe import MoE
-from core.model.rope import rope_cos_sin, rope_frequencies
-from kernels.dispatch import use_triton
-from kernels.flash_attention import flash_attn_varlen
-from kernels.rope import apply_rope
+from posttrain.core.model.args import ModelArgs
+from posttrain.core.model.layers import MLP, RMSNorm
+from posttrain.core.model.moe import MoE
+from posttrain.core.model.rope import rope_cos_sin, rope_frequencies
+from posttrain.kernels.dispatch import use_triton
+from posttrain.kernels.flash_attention import flash_attn_varlen
+from posttrain.kernels.rope import apply_rope
 
 
 @dataclass
@@ -250,7 +250,7 @@ class Transformer(nn.Module):
     def initial_value(self, name: str, shape: torch.Size, gen: torch.Generator | None) -> torch.Tensor:
         """Parameter `name`'s whole initial value (fp32, on CPU), drawn from `gen` for weights
         only: init_weights takes them in named_parameters order; a sharded model built on `meta`
-        takes the same ones and keeps its part of each (core.parallel.materialize)."""
+        takes the same ones and keeps its part of each (posttrain.core.parallel.materialize)."""
         if name.endswith("norm.weight"):
             return torch.ones(shape)
         if name.endswith(".bias"):
@@ -317,12 +317,12 @@ class Transformer(nn.Module):
 
         `head` runs the loss inside forward (fused/chunked cross entropy, log-probs, KL), so the
         full logits never exist and parallel wrappers (FSDP, TP) see one forward call. A model
-        split into pipeline stages (core.parallel.pipeline.keep_own_stages) runs its stages in
-        turn with the pipeline's other ranks (core.parallel.pipeline_decode), no cache."""
+        split into pipeline stages (posttrain.core.parallel.pipeline.keep_own_stages) runs its stages in
+        turn with the pipeline's other ranks (posttrain.core.parallel.pipeline_decode), no cache."""
         staged = getattr(self, "staged_forward", None)  # set by keep_own_stages
         if staged is not None:
             if cache is not None:
-                raise ValueError("a pipeline-parallel model decodes through core.model.generate")
+                raise ValueError("a pipeline-parallel model decodes through posttrain.core.model.generate")
             return staged(input_ids, position_ids, attention_mask, head)
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, cache)
         if head is not None:

@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from core.model.args import MoEArgs
-from core.model.layers import MLP
-from kernels.swiglu import swiglu
+from posttrain.core.model.args import MoEArgs
+from posttrain.core.model.layers import MLP
+from posttrain.kernels.swiglu import swiglu
 
 
 class GroupedExperts(nn.Module):
@@ -34,7 +34,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (N, H) sorted by expert, `counts[e]` rows for local expert e; returns (N, H)."""
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        if "lora" in self._modules:  # LoRA on the experts (core.lora.experts): W + s B A
+        if "lora" in self._modules:  # LoRA on the experts (posttrain.core.lora.experts): W + s B A
             gate, up, down = self.lora.effective(gate, up, down)
         outs = []
         for e, rows in enumerate(torch.split(x, counts)):

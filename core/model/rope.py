@@ -10,7 +10,7 @@ import torch
 
 # The rotation itself (x (B, n_heads, T, head_dim) by cos/sin, the half-split convention HF
 # checkpoints use) is the torch reference of the RoPE kernel and lives beside it.
-from kernels.rope import rotate_reference as apply_rope  # noqa: F401
+from posttrain.kernels.rope import rotate_reference as apply_rope  # noqa: F401
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -12,25 +12,25 @@ sharded MoE), context (ring attention), pipeline (stages and schedules), data_pa
 checkpoint (the full state dict, gathered for export), materialize (a model parallelized on the
 meta device given this rank's shards: the block each holds, random init, LoRA init).
 
-Names load on first use (core.lazy): `core.parallel.config` (ParallelConfig) imports without torch.
+Names load on first use (posttrain.core.lazy): `posttrain.core.parallel.config` (ParallelConfig) imports without torch.
 """
 
-from core.lazy import lazy_exports
+from posttrain.core.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "ParallelDims": "core.parallel.mesh",
-    "ParallelMesh": "core.parallel.mesh",
-    "clip_grad_norm_": "core.parallel.grad_norm",
-    "context_parallel_shard": "core.parallel.context",
-    "context_parallel_unshard": "core.parallel.context",
-    "full_state_dict": "core.parallel.checkpoint",
-    "init_distributed": "core.parallel.mesh",
-    "parallelize": "core.parallel.apply",
-    "parallelize_pipeline": "core.parallel.apply",
-    "reduce_moe_stats": "core.parallel.expert",
-    "transformer_tp_plan": "core.parallel.plans",
-    "vocab_parallel_cross_entropy": "core.parallel.losses",
-    "vocab_parallel_distill_loss": "core.parallel.losses",
-    "vocab_parallel_sequence_logps": "core.parallel.losses",
-    "vocab_parallel_token_logps": "core.parallel.losses",
+    "ParallelDims": "posttrain.core.parallel.mesh",
+    "ParallelMesh": "posttrain.core.parallel.mesh",
+    "clip_grad_norm_": "posttrain.core.parallel.grad_norm",
+    "context_parallel_shard": "posttrain.core.parallel.context",
+    "context_parallel_unshard": "posttrain.core.parallel.context",
+    "full_state_dict": "posttrain.core.parallel.checkpoint",
+    "init_distributed": "posttrain.core.parallel.mesh",
+    "parallelize": "posttrain.core.parallel.apply",
+    "parallelize_pipeline": "posttrain.core.parallel.apply",
+    "reduce_moe_stats": "posttrain.core.parallel.expert",
+    "transformer_tp_plan": "posttrain.core.parallel.plans",
+    "vocab_parallel_cross_entropy": "posttrain.core.parallel.losses",
+    "vocab_parallel_distill_loss": "posttrain.core.parallel.losses",
+    "vocab_parallel_sequence_logps": "posttrain.core.parallel.losses",
+    "vocab_parallel_token_logps": "posttrain.core.parallel.losses",
 })

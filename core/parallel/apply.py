@@ -11,20 +11,20 @@ and each stage is then parallelized like a model.
 
 Build the model on the meta device or CPU, apply LoRA (if any) before parallelizing, and create
 the optimizer after: parameters are replaced here. A model parallelized on `meta` then gets
-this rank's shards from core.parallel.materialize (and registry.hf_sharded for a checkpoint).
+this rank's shards from posttrain.core.parallel.materialize (and posttrain.registry.hf_sharded for a checkpoint).
 
 Training-loop contract under these layouts (what core/trainer.py must do):
-- tp > 1: logits are split by vocab; use core.parallel.losses (vocab-parallel CE / log-probs /
+- tp > 1: logits are split by vocab; use posttrain.core.parallel.losses (vocab-parallel CE / log-probs /
   KL) with mesh.group("tp"). The loss is then complete (and equal) on every tp rank.
 - cp > 1: shard input_ids, position_ids (always given) and *already shifted* labels with
-  context_parallel_shard; compute the loss with shift=False (core.parallel.context.shard_batch
-  does all of it for a packed batch; core.objectives calls it through `model.cp_group`).
+  context_parallel_shard; compute the loss with shift=False (posttrain.core.parallel.context.shard_batch
+  does all of it for a packed batch; posttrain.core.objectives calls it through `model.cp_group`).
 - Gradients are averaged over dp_replicate x dp_shard x cp ("dp_cp"): sum token counts over
   mesh.group("dp_cp") and undo that average, not over "dp" alone.
 - MoE: add model.aux_loss() to the loss as usual (under tp / cp each rank holds its share of
   the global value, pre-scaled for the cp average); all-reduce tokens_per_expert over
   mesh.group("dp_cp_tp") (reduce_moe_stats) before logging it and before update_bias().
-- Clip with core.parallel.clip_grad_norm_ (pp_group=mesh.group("pp") under pp):
+- Clip with posttrain.core.parallel.clip_grad_norm_ (pp_group=mesh.group("pp") under pp):
   torch.nn.utils.clip_grad_norm_ cannot mix the meshes these layouts put gradients on.
 """
 
@@ -35,14 +35,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from core.parallel.config import ParallelConfig
-from core.model.moe import MoE
-from core.parallel.context import apply_context_parallel
-from core.parallel.data_parallel import apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp
-from core.parallel.expert import apply_expert_parallel, global_aux_loss
-from core.parallel.mesh import ParallelMesh
-from core.parallel.pipeline import Pipeline, PipelineStageModule, build_pipeline
-from core.parallel.plans import apply_plan, transformer_tp_plan
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.model.moe import MoE
+from posttrain.core.parallel.context import apply_context_parallel
+from posttrain.core.parallel.data_parallel import apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp
+from posttrain.core.parallel.expert import apply_expert_parallel, global_aux_loss
+from posttrain.core.parallel.mesh import ParallelMesh
+from posttrain.core.parallel.pipeline import Pipeline, PipelineStageModule, build_pipeline
+from posttrain.core.parallel.plans import apply_plan, transformer_tp_plan
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -53,7 +53,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 def parallelize(model: nn.Module, cfg: ParallelConfig, mesh: ParallelMesh, *, activation_checkpointing: bool | int = False,
                 compile: bool = False, capacity_factor: float | None = None,
                 data_parallel: bool = True, offload: bool = False) -> nn.Module:
-    """Apply mesh's layout to a core.model.Transformer (or one PipelineStageModule of it), in
+    """Apply mesh's layout to a posttrain.core.model.Transformer (or one PipelineStageModule of it), in
     place; returns the same module. `data_parallel=False` skips the last step (FSDP / DDP) for
     callers that wrap it themselves. offload: FSDP's CPU offload (a ValueError without FSDP).
     activation_checkpointing: True (or 1) every block, k > 1 every k-th block (ModelConfig.checkpoint_every)."""

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from core.distenv import rank_world
+from posttrain.core.distenv import rank_world
 
 
 def _modules(model: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:

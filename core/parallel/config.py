@@ -1,4 +1,4 @@
-"""ParallelConfig: the mesh core.parallel builds (sizes resolved against the world and the model)."""
+"""ParallelConfig: the mesh posttrain.core.parallel builds (sizes resolved against the world and the model)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from core.config import ConfigModel, Dtype
+from posttrain.core.config import ConfigModel, Dtype
 
 
 class ParallelConfig(ConfigModel):

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from core.model.model import Attention
-from core.model.rope import apply_rope
-from core.parallel.mappings import all_gather
+from posttrain.core.model.model import Attention
+from posttrain.core.model.rope import apply_rope
+from posttrain.core.parallel.mappings import all_gather
 
 
 def _chunk_ids(rank: int, cp: int) -> tuple[int, int]:
@@ -219,7 +219,7 @@ def shard_batch(batch: dict, group: dist.ProcessGroup, multiple: int = 1) -> dic
     their own (position 0), with ignored labels and sequence id -1, so no real token sees them
     and no loss or per-sequence sum counts them. `num_target_tokens` becomes this shard's count,
     so the counts of the cp ranks add up to the whole batch's."""
-    from core.losses import IGNORE_INDEX
+    from posttrain.core.losses import IGNORE_INDEX
 
     if CP_KEY in batch:
         return batch

@@ -13,7 +13,7 @@
   than FSDP's set_gradient_divide_factor: that is a PREMUL_SUM, which gloo lacks, and with torch
   2.13 it was not applied at all on a one-rank expert mesh, ep = dp_shard * cp.)
 - QLoRA under FSDP (FSDP-QLoRA): the NF4 bases are buffers, which fully_shard leaves whole, so
-  their storage is sharded over the same mesh first (core.quant.shard_nf4_storage) and gathered
+  their storage is sharded over the same mesh first (posttrain.core.quant.shard_nf4_storage) and gathered
   by each forward and backward that needs the weight.
 - Optimizer offload (optim.offload): FSDP2's CPUOffloadPolicy keeps the shards, gradients and the
   optimizer state on CPU; the optimizer steps there.
@@ -34,10 +34,10 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from core.lora.layer import LoRALinear
-from core.model.moe import MoE
-from core.quant import shard_nf4_storage
-from core.parallel.mesh import ParallelMesh
+from posttrain.core.lora.layer import LoRALinear
+from posttrain.core.model.moe import MoE
+from posttrain.core.quant import shard_nf4_storage
+from posttrain.core.parallel.mesh import ParallelMesh
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}
 
@@ -79,7 +79,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: ParallelMesh,
 class _ForwardState:
     """What a checkpointed block's recompute must see as its forward did. MoE side effects of the
     recompute (token counts, aux loss, router logits) are undone, so they stay those of the real
-    forward. LoRA adapter routing (core.lora.route_adapters) is set around the forward only and
+    forward. LoRA adapter routing (posttrain.core.lora.route_adapters) is set around the forward only and
     gone by backward, so the forward's is captured and set again for the recompute."""
 
     def __init__(self, moes: list[MoE], loras: list[LoRALinear]):

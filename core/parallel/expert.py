@@ -36,9 +36,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from core.model.moe import GroupedExperts, MoE
-from core.parallel.mappings import all_to_all, copy_to_tp
-from core.parallel.tensor import local
+from posttrain.core.model.moe import GroupedExperts, MoE
+from posttrain.core.parallel.mappings import all_to_all, copy_to_tp
+from posttrain.core.parallel.tensor import local
 
 
 def grouped_mlp(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, counts: list[int]) -> Tensor:
@@ -77,7 +77,7 @@ class ParallelGroupedExperts(GroupedExperts):
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         weights = [local(p) for p in (self.gate_proj, self.up_proj, self.down_proj)]
         if "lora" in self._modules:  # LoRA on the experts: this rank's experts' W + s B A
-            from core.lora.experts import PARAMS
+            from posttrain.core.lora.experts import PARAMS
 
             weights = list(self.lora.effective(*weights, [local(getattr(self.lora, k)) for k in PARAMS]))
         if self.tp_group is not None:  # DTensor weights are skipped by replicate_over_tp: reduce here
@@ -147,7 +147,7 @@ def shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> None:
     n, r = ep_mesh.size(), ep_mesh.get_local_rank()
     owners = [(moe.experts, name) for name in ("gate_proj", "up_proj", "down_proj")]
     if "lora" in moe.experts._modules:  # LoRA on the experts: each adapter tensor has the expert dim first
-        from core.lora.experts import PARAMS
+        from posttrain.core.lora.experts import PARAMS
 
         owners += [(moe.experts.lora, name) for name in PARAMS]
     for owner, name in owners:
@@ -258,8 +258,8 @@ def shard_moe_tokens(moe: MoE, tp_group: dist.ProcessGroup, sequence_parallel: b
     """Run `moe` on this tp rank's sequence shard with replicated weights. Under sequence
     parallelism the block input is already split; otherwise split it on entry and all-gather the
     output (the gather's backward takes this rank's slice of the replicated gradient)."""
-    from core.parallel.mappings import gather_from_sp_replicated, scatter_to_sp
-    from core.parallel.tensor import replicate_over_tp
+    from posttrain.core.parallel.mappings import gather_from_sp_replicated, scatter_to_sp
+    from posttrain.core.parallel.tensor import replicate_over_tp
 
     replicate_over_tp(moe, tp_group)
     moe.tp_group = tp_group  # its token_mask is sliced like the sequence

@@ -9,8 +9,8 @@ Everything reduces to two vocab-wide reductions, each one small collective per t
 
 `_VocabParallelLogSumExp` has a hand-written backward (softmax of the local slice: no
 communication); the rest is differentiable torch on the local slice, so gradients are exact and
-land on each rank's own columns. Semantics, arguments and reductions match core.losses exactly;
-with a tp group of one rank every function equals its core.losses counterpart.
+land on each rank's own columns. Semantics, arguments and reductions match posttrain.core.losses exactly;
+with a tp group of one rank every function equals its posttrain.core.losses counterpart.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from core.losses import (
+from posttrain.core.losses import (
     DISTILL_KINDS,
     IGNORE_INDEX,
     REDUCTIONS,
@@ -31,7 +31,7 @@ from core.losses import (
     masked_reduce,
     topk_divergence,
 )
-from core.parallel.mappings import copy_to_tp, reduce_from_tp
+from posttrain.core.parallel.mappings import copy_to_tp, reduce_from_tp
 
 
 class _VocabParallelLogSumExp(torch.autograd.Function):
@@ -72,7 +72,7 @@ def _vocab_start(z: Tensor, group: dist.ProcessGroup) -> int:
 def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, group: dist.ProcessGroup,
                                  ignore_index: int = IGNORE_INDEX, reduction: str = "mean", shift: bool = True,
                                  softcap: float | None = None) -> Tensor:
-    """core.losses.cross_entropy for logits (N..., V/tp) split by vocab over `group`:
+    """posttrain.core.losses.cross_entropy for logits (N..., V/tp) split by vocab over `group`:
 
         CE_t = logsumexp_v z_tv - z_t,y_t,   the target logit taken on the rank that owns y_t.
     """
@@ -88,7 +88,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, group: dist.Pro
 def vocab_parallel_token_logps(logits: Tensor, labels: Tensor, group: dist.ProcessGroup,
                                ignore_index: int = IGNORE_INDEX, shift: bool = True,
                                softcap: float | None = None) -> Tensor:
-    """log p(y_t | x_<t) per position (N...), 0 where ignored: core.losses.token_logps, vocab-parallel."""
+    """log p(y_t | x_<t) per position (N...), 0 where ignored: posttrain.core.losses.token_logps, vocab-parallel."""
     return -vocab_parallel_cross_entropy(logits, labels, group, ignore_index, "none", shift, softcap)
 
 
@@ -104,7 +104,7 @@ def vocab_parallel_distill_loss(student_logits: Tensor, teacher_logits: Tensor, 
                                 kind: str = "forward_kl", temperature: float = 1.0, beta: float = 0.5,
                                 mask: Tensor | None = None, reduction: str = "mean",
                                 scale_by_t2: bool = True) -> Tensor:
-    """core.losses.distill_loss (forward KL, reverse KL, generalized JSD) for student and teacher
+    """posttrain.core.losses.distill_loss (forward KL, reverse KL, generalized JSD) for student and teacher
     logits both split by vocab over `group` the same way. Each divergence is a vocab sum of
     elementwise terms of the two log-softmaxes: summed per rank, then all-reduced."""
     check_choice("kind", kind, DISTILL_KINDS)
@@ -123,7 +123,7 @@ def vocab_parallel_distill_loss(student_logits: Tensor, teacher_logits: Tensor, 
 def vocab_parallel_distill_topk(logits: Tensor, teacher_topk_ids: Tensor, teacher_topk_logps: Tensor,
                                 group: dist.ProcessGroup, kind: str = "forward_kl", temperature: float = 1.0,
                                 beta: float = 0.5, reduction: str = "mean") -> Tensor:
-    """core.losses.distill_loss_topk for student logits (N, V/tp) split by vocab over `group`:
+    """posttrain.core.losses.distill_loss_topk for student logits (N, V/tp) split by vocab over `group`:
     log p_S at each teacher id is its logit (taken on the rank that owns the id) minus the
     vocab-parallel logsumexp. The loss is then whole, and equal, on every rank."""
     check_choice("kind", kind, DISTILL_KINDS)

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from core.lora.layer import init_lora_a
-from core.lora.model import lora_modules, lora_parameters
+from posttrain.core.lora.layer import init_lora_a
+from posttrain.core.lora.model import lora_modules, lora_parameters
 
 Block = tuple[slice, ...]
 
@@ -40,7 +40,7 @@ def local_part(t: Tensor) -> tuple[Tensor, Block]:
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:
-    """Allocate this rank's shards of a core.model.Transformer on `device` (values undefined),
+    """Allocate this rank's shards of a posttrain.core.model.Transformer on `device` (values undefined),
     share the embedding with the head again (to_empty unties plain tensors; DTensors stay one
     parameter) and compute the non-persistent buffers (RoPE frequencies, MoE state)."""
     model.to_empty(device=device)
@@ -61,7 +61,7 @@ def init_weights(model: nn.Module, seed: int | None) -> None:
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     adapters = {id(p) for p in lora_parameters(model)}
     own = {name: p for name, p in model.named_parameters() if id(p) not in adapters}
-    # A pipeline stage's part (core.parallel.pipeline.keep_own_stages) draws the whole model's values
+    # A pipeline stage's part (posttrain.core.parallel.pipeline.keep_own_stages) draws the whole model's values
     # in order, keeping its own.
     for name, shape in getattr(model, "whole_parameters", None) or [(n, p.shape) for n, p in own.items()]:
         value = model.initial_value(name, shape, gen)
@@ -79,7 +79,7 @@ def init_adapters(model: nn.Module) -> None:
     apply_lora made them (one call, several adapter names), B zeros; this rank's part kept.
     Right after apply_lora on `meta` (which draws nothing) the RNG is where apply_lora on the
     loaded model would find it, so the values are the same. DoRA magnitudes and PiSSA read the
-    base weights: those adapters are made on the loaded model instead (stages.common.load_on_meta)."""
+    base weights: those adapters are made on the loaded model instead (posttrain.stages.common.load_on_meta)."""
     mods = dict(lora_modules(model))
     for mod in mods.values():
         for name in mod.adapters:
@@ -104,9 +104,9 @@ def init_adapters(model: nn.Module) -> None:
 
 @torch.no_grad()
 def init_expert_adapters(model: nn.Module) -> None:
-    """LoRA on MoE experts (core.lora.experts), after the linear layers' adapters as apply_lora
+    """LoRA on MoE experts (posttrain.core.lora.experts), after the linear layers' adapters as apply_lora
     draws them: each whole A drawn, this rank's experts (and FSDP shard) kept; B zeros."""
-    from core.lora.experts import expert_loras
+    from posttrain.core.lora.experts import expert_loras
 
     for _, mod in expert_loras(model):
         parts = {k: local_part(getattr(mod, k)) for k in ("gate_up_A", "down_A")}

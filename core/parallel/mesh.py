@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from core.parallel.config import ParallelConfig
-from core.model.args import ModelArgs
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.model.args import ModelArgs
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -192,8 +192,8 @@ def init_process_group(cfg: ParallelConfig, timeout_s: float | None = None,
     """Join torchrun's process group: the one place posttrain makes one. The backend is
     `cfg.backend` ('auto': nccl on CUDA, gloo elsewhere), on `cfg.device`; `timeout_s` is the
     collective timeout (ReliabilityConfig.collective_timeout_s), and torch's flight recorder is
-    on (core.reliability.prepare_process_group). A single process gets no group unless `always`."""
-    from core.reliability import prepare_process_group
+    on (posttrain.core.reliability.prepare_process_group). A single process gets no group unless `always`."""
+    from posttrain.core.reliability import prepare_process_group
 
     env = TorchrunEnv.read()
     device = pick_device(cfg, env.local_rank)

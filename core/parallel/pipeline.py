@@ -9,7 +9,7 @@ With the interleaved schedule rank r holds stages r, r + pp, r + 2 pp, ... (loop
 The loss runs on the last stage, per microbatch (`loss_fn(logits, target)`): a mean, which the
 schedule scales by 1/microbatches so a step equals one full-batch step; or, with
 `scale_grads=False`, a token *sum* the trainer normalizes once per step (the training stages:
-core.pipeline_objectives.pipelined_sft). MoE load-balancing losses live on whichever stage holds the
+posttrain.core.pipeline_objectives.pipelined_sft). MoE load-balancing losses live on whichever stage holds the
 layer: `_AttachAux` ties each block's aux loss to its output, so the backward that reaches the
 block also adds the aux gradient (Megatron's MoEAuxLossAutoScaler), weighted per microbatch
 (`aux_weights`: 1, or its token count when the loss is a sum), and the trainer must not add
@@ -32,11 +32,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining._utils import InferenceMode
 
-from core.parallel.config import ParallelConfig
-from core.model.model import Transformer, attention_masks
-from core.model.moe import MoE, routed_tokens
-from core.model.rope import rope_cos_sin, rope_frequencies
-from core.parallel.mesh import ParallelMesh
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.model.model import Transformer, attention_masks
+from posttrain.core.model.moe import MoE, routed_tokens
+from posttrain.core.model.rope import rope_cos_sin, rope_frequencies
+from posttrain.core.parallel.mesh import ParallelMesh
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -100,7 +100,7 @@ class PipelineStageModule(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, position_ids if packed else slots.expand(B, T), self.rope_scale,
                                 x.dtype)
         if self.cp_state is not None:
-            from core.parallel.context import cp_batch
+            from posttrain.core.parallel.context import cp_batch
 
             self.cp_state["batch"] = cp_batch(position_ids, T, self.cp_group)
         masks = attention_masks(self.args, [int(name) for name in self.layers], position_ids, T, device=x.device)
@@ -108,7 +108,7 @@ class PipelineStageModule(nn.Module):
         real = None if self.token_masks is None else self.token_masks[self.forwards].to(x.device)
         route = contextlib.nullcontext()
         if self.routes is not None:  # several adapters: this microbatch's tokens each through its own
-            from core.lora.model import route_adapters
+            from posttrain.core.lora.model import route_adapters
 
             route = route_adapters(self, self.routes[self.forwards].to(x.device), self.adapter_names)
         self.forwards += 1
@@ -257,7 +257,7 @@ class Pipeline:
     def claim_fsdp_roots(self) -> None:
         """Make each FSDP-wrapped stage of this rank its FSDP root now. FSDP takes the first module
         to run forward for the root, and code that calls a stage's parts directly (the stage walk
-        of core.parallel.pipeline_decode) would make a block the root, after which a forward
+        of posttrain.core.parallel.pipeline_decode) would make a block the root, after which a forward
         through the stage fails. Idempotent."""
         for m in self.modules:
             if isinstance(m, FSDPModule):
@@ -291,7 +291,7 @@ def build_pipeline(model: Transformer, cfg: ParallelConfig, mesh: ParallelMesh, 
     normalizes (the schedule then leaves gradients as the microbatches' sum). A model with tied
     embeddings gets an lm_head copy of the embedding on the last stage, which the caller keeps
     equal: Pipeline.reduce_tied_grads before every optimizer step, and the head copy left out of
-    the gradient norm (Pipeline.duplicates; core.trainer.Trainer does both)."""
+    the gradient norm (Pipeline.duplicates; posttrain.core.trainer.Trainer does both)."""
     pp, rank = mesh.size("pp"), mesh.local_rank("pp")
     tied = model.args.tie_embeddings and pp > 1
     if tied:  # a copy on each end, kept equal: their gradients are summed (Pipeline.reduce_tied_grads)
@@ -346,8 +346,8 @@ def keep_own_stages(model: Transformer, pipe: Pipeline) -> None:
     model's parameters, state dict and optimizer are then exactly this rank's share. The whole
     model's parameter order is kept in `model.whole_parameters` ((name, shape), adapters apart)
     and `model.whole_adapters` ((module name, adapter, A's shape, init)), so a random init draws
-    the same values as on one process (core.parallel.materialize)."""
-    from core.lora.model import lora_modules, lora_parameters
+    the same values as on one process (posttrain.core.parallel.materialize)."""
+    from posttrain.core.lora.model import lora_modules, lora_parameters
 
     adapters = {id(p) for p in lora_parameters(model)}
     tied = model.args.tie_embeddings  # the head is a copy of the embedding (build_pipeline), not drawn
@@ -363,7 +363,7 @@ def keep_own_stages(model: Transformer, pipe: Pipeline) -> None:
         if id(getattr(model, name)) not in kept:
             setattr(model, name, None)
     model.pipeline = pipe
-    from core.parallel.pipeline_decode import StagedModel
+    from posttrain.core.parallel.pipeline_decode import StagedModel
 
     # model(...) for inference: the stages in turn with the pipeline's other ranks (Transformer.forward)
     model.staged_forward = lambda *args: StagedModel(model, pipe).forward(*args)

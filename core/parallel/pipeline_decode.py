@@ -1,6 +1,6 @@
 """Token-by-token decoding of a pipeline-parallel model: the stages one after the other.
 
-core.model.generate drives the loop; this module is its forward under pipeline parallelism.
+posttrain.core.model.generate drives the loop; this module is its forward under pipeline parallelism.
 Every decode step (and the prefill before them) runs stage 0 on its rank, sends the hidden
 states to the rank of stage 1, and so on to the last stage, whose rank computes the next-token
 logits. Each rank keeps a KV cache for its own stages' layers only. The ranks of a pipeline all
@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from core.model.model import KVCache, Transformer, attention_masks
-from core.model.rope import rope_cos_sin
+from posttrain.core.model.model import KVCache, Transformer, attention_masks
+from posttrain.core.model.rope import rope_cos_sin
 
 if TYPE_CHECKING:
-    from core.parallel.pipeline import Pipeline, PipelineStageModule
+    from posttrain.core.parallel.pipeline import Pipeline, PipelineStageModule
 
 
 class StagedModel:
@@ -134,7 +134,7 @@ def _run(mod: PipelineStageModule, x: Tensor, positions: Tensor | None, mask: Te
     logits = mod.lm_head(mod.norm(x[:, -1])).float()
     group = getattr(mod.lm_head, "tp_group", None)
     if group is not None:
-        from core.parallel.mappings import all_gather
+        from posttrain.core.parallel.mappings import all_gather
 
         logits = all_gather(logits, -1, group)
     return logits

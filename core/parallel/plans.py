@@ -26,9 +26,9 @@ from fnmatch import fnmatchcase
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from core.model.args import ModelArgs
-from core.parallel.mappings import enter_region
-from core.parallel.tensor import (
+from posttrain.core.model.args import ModelArgs
+from posttrain.core.parallel.mappings import enter_region
+from posttrain.core.parallel.tensor import (
     InputMode,
     OutputMode,
     column_parallel,
@@ -94,13 +94,13 @@ class TokenShardedMoE(ParallelStyle):
     sequence_parallel: bool
 
     def apply(self, module, mesh, name):
-        from core.parallel.expert import shard_moe_tokens
+        from posttrain.core.parallel.expert import shard_moe_tokens
 
         shard_moe_tokens(module, mesh.get_group(), self.sequence_parallel)
 
 
 def transformer_tp_plan(args: ModelArgs, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
-    """The plan for core.model.Transformer (and for pipeline stages built from it)."""
+    """The plan for posttrain.core.model.Transformer (and for pipeline stages built from it)."""
     sp = sequence_parallel
     act: OutputMode = "sequence" if sp else "replicated"
     plan: dict[str, ParallelStyle] = {

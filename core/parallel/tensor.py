@@ -15,7 +15,7 @@ replicated and B (out, r) split by rows; on a row layer A is split by columns an
 A replicated adapter weight then sees only this rank's share of the gradient, which is
 all-reduced in the graph (copy_to_tp on the weight). The row layer adds its LoRA term before the
 output reduction, so the rank-r partial products need no communication of their own. Adapters
-routed per token (core.lora.route_adapters) split the same way, each token through its own.
+routed per token (posttrain.core.lora.route_adapters) split the same way, each token through its own.
 
 `replicate_over_tp` covers modules whose weights are replicated but whose inputs are split by
 sequence (RMSNorm under sequence parallelism, MoE on token shards): each rank's weight gradient
@@ -32,9 +32,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from core.lora import LoRALinear
-from core.lora.layer import routed_lora, token_ids
-from core.parallel.mappings import copy_to_tp, enter_region, leave_region
+from posttrain.core.lora import LoRALinear
+from posttrain.core.lora.layer import routed_lora, token_ids
+from posttrain.core.parallel.mappings import copy_to_tp, enter_region, leave_region
 
 InputMode = Literal["region", "replicated", "sequence"]
 """What a column layer receives: already inside a region (its module entered it), a replicated
@@ -66,11 +66,11 @@ def _check_lora(mod: LoRALinear, name: str) -> None:
 
 
 def _split_nf4(mod: LoRALinear, dim: int, mesh: DeviceMesh, name: str) -> None:
-    """QLoRA: this rank's slice of the NF4 base (core.quant.nf4_shard), what its forward computes
+    """QLoRA: this rank's slice of the NF4 base (posttrain.core.quant.nf4_shard), what its forward computes
     on, kept out of the state dict; the whole NF4 weight stays in `weight` (replicated over tp;
-    under FSDP both are sharded over its mesh, core.quant.shard_nf4_storage), so the gathered
+    under FSDP both are sharded over its mesh, posttrain.core.quant.shard_nf4_storage), so the gathered
     export reads it unchanged."""
-    from core.quant import NF4Weight, nf4_shard
+    from posttrain.core.quant import NF4Weight, nf4_shard
 
     try:
         shard = nf4_shard(mod.weight.tensor, dim, mesh.size(), mesh.get_local_rank())
@@ -82,7 +82,7 @@ def _split_nf4(mod: LoRALinear, dim: int, mesh: DeviceMesh, name: str) -> None:
 def _base(mod: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
     """x W_r^T (+ bias) for this rank's block of the base weight (dense DTensor shard, or NF4 slice)."""
     if isinstance(mod, LoRALinear) and mod.quantized:
-        from core.quant import nf4_linear
+        from posttrain.core.quant import nf4_linear
 
         y = nf4_linear(x, mod.tp_weight)
         return y if bias is None else y + bias
@@ -97,7 +97,7 @@ def _active_lora(mod: nn.Module) -> str | None:
 
 
 def _routed(mod: nn.Module) -> bool:
-    """Adapters routed per token (core.lora.route_adapters) rather than one active adapter."""
+    """Adapters routed per token (posttrain.core.lora.route_adapters) rather than one active adapter."""
     return isinstance(mod, LoRALinear) and not mod.disabled and mod.routing is not None and bool(mod.adapters)
 
 
@@ -145,7 +145,7 @@ class ColumnParallelLoRALinear(LoRALinear):
 
     def forward(self, x: Tensor, adapter_ids: Tensor | None = None) -> Tensor:
         if adapter_ids is not None:
-            raise NotImplementedError("adapter_ids as an argument: under tensor parallelism route with core.lora.route_adapters")
+            raise NotImplementedError("adapter_ids as an argument: under tensor parallelism route with posttrain.core.lora.route_adapters")
         return _column_forward(self, x)
 
 
@@ -206,7 +206,7 @@ class RowParallelLoRALinear(LoRALinear):
 
     def forward(self, x: Tensor, adapter_ids: Tensor | None = None) -> Tensor:
         if adapter_ids is not None:
-            raise NotImplementedError("adapter_ids as an argument: under tensor parallelism route with core.lora.route_adapters")
+            raise NotImplementedError("adapter_ids as an argument: under tensor parallelism route with posttrain.core.lora.route_adapters")
         return _row_forward(self, x)
 
 

@@ -1,4 +1,4 @@
-"""Surviving faults in a training job: bad steps, hangs and preemption. `core.loop.fit` drives it.
+"""Surviving faults in a training job: bad steps, hangs and preemption. `posttrain.core.loop.fit` drives it.
 
 - Bad steps. A step whose loss or gradient norm is not finite is skipped by the Trainer; a step
   whose loss is a spike (z-score against a rolling window of accepted losses above a threshold) is
@@ -21,7 +21,7 @@ What else survives what, and where it is handled:
 - A killed rank: torchrun (`launcher.max_restarts`) restarts the group, which resumes from the
   latest complete checkpoint (model, optimizer, schedule, RNG, data position, spike window) to
   the same weights as an uninterrupted run; past the restarts the flow retries the stage.
-- A corrupt or truncated checkpoint: core.checkpoint verifies hashes and falls back to the
+- A corrupt or truncated checkpoint: posttrain.core.checkpoint verifies hashes and falls back to the
   previous one; fit logs `events/checkpoint_skipped`.
 - A full disk or I/O error while saving: `checkpoint.on_save_error` = "continue" (train on,
   retry at the next save) or "fail"; either way `latest` stays the previous complete checkpoint.
@@ -30,7 +30,7 @@ What else survives what, and where it is handled:
   next launch of the stage waits for any leftovers, and the rerun resumes from the checkpoint; the
   rerun's flow ends the killed runs' MLflow runs as KILLED (flows/recovery.py). tests/test_chaos.py
   kills ranks, launchers and the flow at random and checks the outputs are an uninterrupted run's.
-- MLflow down: core.tracking buffers and retries in the background; training never waits on it.
+- MLflow down: posttrain.core.tracking buffers and retries in the background; training never waits on it.
 - Prefect's API down: stages never talk to Prefect (only flows/ do; tests/test_reliability.py
   checks no stage or core module imports it), so a running stage is unaffected; the flow's own
   client retries, and a re-run flow skips finished stages (cache) and resumes the others.
@@ -40,24 +40,24 @@ the collective timeout), `spikes` (loss-spike detection), `preemption` (SIGTERM 
 exit 75), `watchdog` (heartbeats, hang detection, stack dumps) and `policy` (Reliability: what fit
 applies, built from a ReliabilityConfig).
 
-Names load on first use (core.lazy): `core.reliability.config` (ReliabilityConfig) imports without torch.
+Names load on first use (posttrain.core.lazy): `posttrain.core.reliability.config` (ReliabilityConfig) imports without torch.
 """
 
-from core.lazy import lazy_exports
+from posttrain.core.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "CollectiveRecord": "core.reliability.recorder",
-    "DUMP_SIGNAL": "core.reliability.watchdog",
-    "EXIT_HUNG": "core.reliability.watchdog",
-    "EXIT_PREEMPTED": "core.reliability.preemption",
-    "FlightRecorder": "core.reliability.recorder",
-    "Preempted": "core.reliability.preemption",
-    "Preemption": "core.reliability.preemption",
-    "RECORDER": "core.reliability.recorder",
-    "Reliability": "core.reliability.policy",
-    "SpikeDetector": "core.reliability.spikes",
-    "TrainingDiverged": "core.reliability.policy",
-    "Watchdog": "core.reliability.watchdog",
-    "all_reduce": "core.reliability.recorder",
-    "prepare_process_group": "core.reliability.recorder",
+    "CollectiveRecord": "posttrain.core.reliability.recorder",
+    "DUMP_SIGNAL": "posttrain.core.reliability.watchdog",
+    "EXIT_HUNG": "posttrain.core.reliability.watchdog",
+    "EXIT_PREEMPTED": "posttrain.core.reliability.preemption",
+    "FlightRecorder": "posttrain.core.reliability.recorder",
+    "Preempted": "posttrain.core.reliability.preemption",
+    "Preemption": "posttrain.core.reliability.preemption",
+    "RECORDER": "posttrain.core.reliability.recorder",
+    "Reliability": "posttrain.core.reliability.policy",
+    "SpikeDetector": "posttrain.core.reliability.spikes",
+    "TrainingDiverged": "posttrain.core.reliability.policy",
+    "Watchdog": "posttrain.core.reliability.watchdog",
+    "all_reduce": "posttrain.core.reliability.recorder",
+    "prepare_process_group": "posttrain.core.reliability.recorder",
 })

@@ -1,14 +1,14 @@
-"""ReliabilityConfig: the thresholds and timeouts core.reliability enforces."""
+"""ReliabilityConfig: the thresholds and timeouts posttrain.core.reliability enforces."""
 
 from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from core.config import ConfigModel
+from posttrain.core.config import ConfigModel
 
 
 class ReliabilityConfig(ConfigModel):
-    """How a training stage survives bad steps, hangs and preemption (core.reliability)."""
+    """How a training stage survives bad steps, hangs and preemption (posttrain.core.reliability)."""
 
     spike_zscore: float = Field(
         6.0, ge=0, description="Skip a step whose loss is this many std devs above the recent mean; 0 = off.")

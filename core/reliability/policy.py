@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from core.reliability.preemption import Preemption
-from core.reliability.recorder import RECORDER
-from core.reliability.spikes import SpikeDetector
-from core.reliability.watchdog import Watchdog
+from posttrain.core.reliability.preemption import Preemption
+from posttrain.core.reliability.recorder import RECORDER
+from posttrain.core.reliability.spikes import SpikeDetector
+from posttrain.core.reliability.watchdog import Watchdog
 
 log = logging.getLogger("posttrain.reliability")
 
@@ -22,7 +22,7 @@ class TrainingDiverged(RuntimeError):
 
 
 class Reliability:
-    """The fault policy `core.loop.fit` applies: spike screening, skip accounting and rollback
+    """The fault policy `posttrain.core.loop.fit` applies: spike screening, skip accounting and rollback
     decisions, preemption and the watchdog. Its counters and the spike window are checkpointed."""
 
     def __init__(self, *, spike_zscore: float = 6.0, spike_window: int = 100, max_bad_steps: int = 5,
@@ -38,7 +38,7 @@ class Reliability:
     @classmethod
     def from_config(cls, cfg: Any, watchdog_dir: str | os.PathLike | None = None,
                     preemption: bool = True) -> Reliability:
-        """From a core.config.ReliabilityConfig; the watchdog needs a dir all ranks see."""
+        """From a posttrain.core.config.ReliabilityConfig; the watchdog needs a dir all ranks see."""
         wd = Watchdog(watchdog_dir, cfg.hang_timeout_s) if cfg.hang_timeout_s and watchdog_dir else None
         return cls(spike_zscore=cfg.spike_zscore, spike_window=cfg.spike_window, max_bad_steps=cfg.max_bad_steps,
                    max_rollbacks=cfg.max_rollbacks, preemption=Preemption(cfg.preempt_grace_s) if preemption else None,
@@ -82,7 +82,7 @@ class Reliability:
             if self.spike is not None:
                 self.spike.accept(metrics["loss"])
             return {}
-        if metrics.get("overflow"):  # fp16: the loss scale backed off (core.precision.LossScaler); not a bad step
+        if metrics.get("overflow"):  # fp16: the loss scale backed off (posttrain.core.precision.LossScaler); not a bad step
             self.counts["skipped_overflow"] += 1
             log.info("step %d skipped: fp16 gradients overflowed; loss scale now %.4g", step,
                      metrics.get("loss_scale", float("nan")) / 2)

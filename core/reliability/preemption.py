@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from core.distenv import dist_on
-from core.reliability.recorder import all_reduce
+from posttrain.core.distenv import dist_on
+from posttrain.core.reliability.recorder import all_reduce
 
 log = logging.getLogger("posttrain.reliability")
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from core.distenv import dist_on
+from posttrain.core.distenv import dist_on
 
 
 def prepare_process_group(timeout_s: float | None) -> dict[str, Any]:

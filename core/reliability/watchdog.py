@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from core.atomic import write_json_atomic
-from core.distenv import dist_on, rank_world
-from core.reliability.recorder import RECORDER, FlightRecorder, torch_flight_recorder
+from posttrain.core.atomic import write_json_atomic
+from posttrain.core.distenv import dist_on, rank_world
+from posttrain.core.reliability.recorder import RECORDER, FlightRecorder, torch_flight_recorder
 
 log = logging.getLogger("posttrain.reliability")
 

@@ -22,10 +22,10 @@ which is how MLflow nests runs (what `mlflow.start_run(nested=True)` does in one
                 open_run (a run opened now, resumed by id by a later process)
 """
 
-from core.tracking.config import TrackingConfig
-from core.tracking.params import (MASK, check_artifact_path, clean_key, flatten_params, is_secret_key,
+from posttrain.core.tracking.config import TrackingConfig
+from posttrain.core.tracking.params import (MASK, check_artifact_path, clean_key, flatten_params, is_secret_key,
                                   mask_secrets)
-from core.tracking.tracker import NullTracker, Tracker, create_tracker, open_run
+from posttrain.core.tracking.tracker import NullTracker, Tracker, create_tracker, open_run
 
 __all__ = ["MASK", "NullTracker", "Tracker", "TrackingConfig", "check_artifact_path", "clean_key",
            "create_tracker", "flatten_params", "open_run", "is_secret_key", "mask_secrets"]

@@ -1,4 +1,4 @@
-"""TrackingConfig: where and how core.tracking logs a stage's (or the pipeline's) runs."""
+"""TrackingConfig: where and how posttrain.core.tracking logs a stage's (or the pipeline's) runs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from core.config import ConfigModel
+from posttrain.core.config import ConfigModel
 
 
 def default_tracking_uri() -> str:

@@ -16,9 +16,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Mapping
 
-from core.tracking.params import (MASK, MAX_TAG_LEN, check_artifact_path, clean_key,
+from posttrain.core.tracking.params import (MASK, MAX_TAG_LEN, check_artifact_path, clean_key,
                                   flatten_params, is_secret_key, mask_secrets, plain, truncate)
-from core.tracking.recovery import process_tags
+from posttrain.core.tracking.recovery import process_tags
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def create_tracker(tracking: Any, run_name: str, parent_run_id: str | None = Non
 class Tracker(NullTracker):
     """One MLflow run (created, or resumed by `run_id`), fed from memory by a delivery thread.
 
-    `tracking` is a core.config.TrackingConfig or anything with tracking_uri and experiment
+    `tracking` is a posttrain.core.config.TrackingConfig or anything with tracking_uri and experiment
     (artifact_location, system_metrics, tags are optional). `tracking_uri` may be re-pointed
     later (a failover); the next delivery reconnects.
     """
@@ -113,7 +113,7 @@ class Tracker(NullTracker):
         self._tags: dict[str, str] = {}
         self._artifacts: deque[tuple[str, str | None]] = deque()
         self._wake, self._stop = threading.Event(), threading.Event()
-        # where the run runs, so that a later run can tell it was killed (core.tracking.recovery)
+        # where the run runs, so that a later run can tell it was killed (posttrain.core.tracking.recovery)
         self.set_tags({**getattr(tracking, "tags", {}), **(tags or {}), **process_tags()})
 
         self._client = None
@@ -437,7 +437,7 @@ def open_run(tracking: Any, run_name: str, parent_run_id: str | None = None,
     """Create a RUNNING run now and return its id, for a process that starts later to resume
     (Tracker(run_id=...)): the pipeline flow opens each stage's child run when it launches the
     stage, so the run's start is the stage's, not the moment the stage's process got to MLflow.
-    Tagged with this process (core.tracking.recovery ends it if this process dies first; the
+    Tagged with this process (posttrain.core.tracking.recovery ends it if this process dies first; the
     resuming process re-tags it with its own)."""
     from mlflow import MlflowClient
 

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from core.rewards import pass_at_k
+from posttrain.core.rewards import pass_at_k
 
 PASSES = 1.0 - 1e-9
 """A sample passes when its score reaches 1 (a verifier's 'all tests pass'); float slack."""

@@ -27,10 +27,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from core.manifest import write_manifest
-from core.tracking import Tracker
-from stages.common import dump_json
-from stages.config import EvalConfig
+from posttrain.core.manifest import write_manifest
+from posttrain.core.tracking import Tracker
+from posttrain.stages.common import dump_json
+from posttrain.stages.config import EvalConfig
 
 log = logging.getLogger("posttrain.evaluate")
 

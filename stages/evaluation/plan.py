@@ -1,6 +1,6 @@
 """What an evaluation reads and computes, decided before any model loads.
 
-Rows come from core.data.rows.prompt_rows: `split` of data prep's output (its SFT rows and its
+Rows come from posttrain.core.data.rows.prompt_rows: `split` of data prep's output (its SFT rows and its
 preference rows), or every row of a user's JSONL / Parquet / datasets files. They fall into:
 
     prompts      rows generated from: every row that is not a preference pair (the pairs' prompts
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.data.errors import DataError, DropStats
-from core.data.prepared import is_prepared
-from core.data.rows import PromptRow, prompt_rows
-from core.manifest import read_manifest
-from stages.common import StageError
-from stages.config import EVAL_METRICS, EvalConfig
+from posttrain.core.data.errors import DataError, DropStats
+from posttrain.core.data.prepared import is_prepared
+from posttrain.core.data.rows import PromptRow, prompt_rows
+from posttrain.core.manifest import read_manifest
+from posttrain.stages.common import StageError
+from posttrain.stages.config import EVAL_METRICS, EvalConfig
 
 GENERATION = ("exact_match", "normalized_match", "reward", "pass@k", "win_rate")
 """Metric families that need the models' generations."""

@@ -19,22 +19,22 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from core.data.dataset import read_template
-from core.data.encode import Document, Encoder, PreferencePair
-from core.data.errors import DataError, RowError
-from core.data.formats import Preference, PromptCompletion
-from core.data.rows import PromptRow, prompt_text
-from core.losses import IGNORE_INDEX
-from core.manifest import digest
-from core.model.generate import SamplingParams, generate
-from core.objectives import token_logps
-from core.rewards import VerifierError, exact_match, load_verifier, normalized_match
-from stages.common import Dist, StageError, resolve_model_dir
-from stages.config import EvalConfig
-from stages.evaluation.metrics import GenRecord
-from stages.evaluation.plan import EvalData, Plan, fail
-from core.parallel.context import without_context_parallel
-from stages.training import sampling, sampling_unit
+from posttrain.core.data.dataset import read_template
+from posttrain.core.data.encode import Document, Encoder, PreferencePair
+from posttrain.core.data.errors import DataError, RowError
+from posttrain.core.data.formats import Preference, PromptCompletion
+from posttrain.core.data.rows import PromptRow, prompt_text
+from posttrain.core.losses import IGNORE_INDEX
+from posttrain.core.manifest import digest
+from posttrain.core.model.generate import SamplingParams, generate
+from posttrain.core.objectives import token_logps
+from posttrain.core.rewards import VerifierError, exact_match, load_verifier, normalized_match
+from posttrain.stages.common import Dist, StageError, resolve_model_dir
+from posttrain.stages.config import EvalConfig
+from posttrain.stages.evaluation.metrics import GenRecord
+from posttrain.stages.evaluation.plan import EvalData, Plan, fail
+from posttrain.core.parallel.context import without_context_parallel
+from posttrain.stages.training import sampling, sampling_unit
 
 log = logging.getLogger("posttrain.evaluate")
 
@@ -131,7 +131,7 @@ def encode(tok, cfg: EvalConfig, data: EvalData, plan: Plan) -> Encoded:
 
 def check_model(path: str) -> None:
     """StageError for a model that cannot load: no such directory, no HF config, unknown preset."""
-    from core.model import get_preset
+    from posttrain.core.model import get_preset
 
     model_dir, _ = resolve_model_dir(path)
     if model_dir is None:
@@ -200,7 +200,7 @@ def generate_records(model, tok, enc: Encoded, data: EvalData, cfg: EvalConfig, 
         texts: list[list[str]] = [[] for _ in batch]
         prompts = [enc.prompt_ids[i] for i in batch] or [[pad]]  # a lockstep filler: one dummy row
         if cfg.sampler == "engine" and batch:  # every sample of a prompt in one call, sharing its blocks
-            from core.generation.engine import engine_generate
+            from posttrain.core.generation.engine import engine_generate
 
             n = cfg.num_samples
             params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,

@@ -2,7 +2,7 @@
 
     result = launch_stage("sft", spec, spec.launcher, workdir=run_dir / ".launch/sft")
 
-Whatever the launcher, every rank runs `python -m stages.<module> --config spec.json` under torchrun
+Whatever the launcher, every rank runs `python -m posttrain.stages.<module> --config spec.json` under torchrun
 (`module` is a stage name, or a dotted module path importable from the repository root), so one
 spec runs unchanged anywhere; the stage picks gloo or NCCL from its device. The spec is
 written into `workdir`, the output streams line by line into a log file and `on_output`, and the
@@ -21,15 +21,15 @@ One runner per backend behind the poll/terminate interface of base.Runner: local
 standalone or multi-node c10d), slurm, kubernetes; job.Launch drives them. Shared pieces: commands
 (torchrun command line, ranks' environment, rendezvous id, templates), proctree (/proc process
 trees), logstream (output into the log and on_output), signals (SIGTERM and PR_SET_PDEATHSIG), and
-wrapper (`python -m stages.launch torchrun`). Nothing here imports torch but the wrapper, in
+wrapper (`python -m posttrain.stages.launch torchrun`). Nothing here imports torch but the wrapper, in
 torchrun's own process: the flow process never imports it.
 """
 
-from stages.launch.base import LaunchError, LaunchResult, Runner
-from stages.launch.commands import INFRA, ROOT, rank_env, rdzv_id, stage_module, torchrun_command
-from stages.launch.job import Launch, launch_nodes, launch_stage
-from stages.launch.kubernetes import SPEC_MOUNT, apply_kubernetes, render_kubernetes
-from stages.launch.slurm import render_sbatch, slurm_job_state
+from posttrain.stages.launch.base import LaunchError, LaunchResult, Runner
+from posttrain.stages.launch.commands import INFRA, ROOT, rank_env, rdzv_id, stage_module, torchrun_command
+from posttrain.stages.launch.job import Launch, launch_nodes, launch_stage
+from posttrain.stages.launch.kubernetes import SPEC_MOUNT, apply_kubernetes, render_kubernetes
+from posttrain.stages.launch.slurm import render_sbatch, slurm_job_state
 
 __all__ = [
     "INFRA", "ROOT", "SPEC_MOUNT", "Launch", "LaunchError", "LaunchResult", "Runner", "apply_kubernetes",

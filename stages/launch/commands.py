@@ -12,8 +12,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from stages.launch.config import LauncherConfig
-from stages.launch.signals import LAUNCHER_PID_ENV
+from posttrain.stages.launch.config import LauncherConfig
+from posttrain.stages.launch.signals import LAUNCHER_PID_ENV
 
 ROOT = Path(__file__).resolve().parents[2]  # holds the `stages` package; on the ranks' PYTHONPATH
 INFRA = ROOT / "infra"
@@ -21,9 +21,9 @@ _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def stage_module(module: str) -> str:
-    """The module the ranks run: `stages.<module>` for a stage name ("sft"), a dotted path as
+    """The module the ranks run: `posttrain.stages.<module>` for a stage name ("sft"), a dotted path as
     given ("tests.probe_stage": a stage kept outside the product, importable from ROOT)."""
-    return module if "." in module else f"stages.{module}"
+    return module if "." in module else f"posttrain.stages.{module}"
 
 
 def stage_label(module: str) -> str:
@@ -43,7 +43,7 @@ def check_stage_module(module: str) -> None:
 
 def rdzv_id(module: str, spec_json: str) -> str:
     """A rendezvous id every node derives alike from what it is given (the stage and its spec
-    text, core.config.spec_text), with no coordinator."""
+    text, posttrain.core.config.spec_text), with no coordinator."""
     digest = hashlib.sha256(json.dumps([module, spec_json]).encode())
     return f"{stage_label(module)}-{digest.hexdigest()[:12]}"
 
@@ -51,7 +51,7 @@ def rdzv_id(module: str, spec_json: str) -> str:
 def torchrun_command(module: str, spec_file: Path, launcher: LauncherConfig, *,
                      rdzv: str | None = None, local_addr: str | None = None) -> list[str]:
     """This node's launcher for kind 'local' (standalone) or 'multinode' (c10d rendezvous)."""
-    cmd = [sys.executable, "-m", "stages.launch", "torchrun"]
+    cmd = [sys.executable, "-m", "posttrain.stages.launch", "torchrun"]
     if launcher.kind == "local":
         cmd += ["--standalone", "--nnodes=1"]
     elif launcher.kind == "multinode":

@@ -1,4 +1,4 @@
-"""LauncherConfig (with its Slurm and Kubernetes options): where and how stages.launch starts a stage."""
+"""LauncherConfig (with its Slurm and Kubernetes options): where and how posttrain.stages.launch starts a stage."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from core.config import ConfigModel
+from posttrain.core.config import ConfigModel
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -9,20 +9,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from core.atomic import write_text_atomic
-from core.config import ConfigModel, spec_text
-from stages.launch.config import LauncherConfig
-from stages.launch.base import LaunchResult, Runner
-from stages.launch.commands import check_stage_module, local_env, rdzv_id, stage_module, torchrun_command
-from stages.launch.kubernetes import KubeJob, render_kubernetes
-from stages.launch.local import RECORD, LocalNode, await_earlier
-from stages.launch.logstream import LogSink
-from stages.launch.signals import sigterm_raises
-from stages.launch.slurm import SlurmJob, render_sbatch
+from posttrain.core.atomic import write_text_atomic
+from posttrain.core.config import ConfigModel, spec_text
+from posttrain.stages.launch.config import LauncherConfig
+from posttrain.stages.launch.base import LaunchResult, Runner
+from posttrain.stages.launch.commands import check_stage_module, local_env, rdzv_id, stage_module, torchrun_command
+from posttrain.stages.launch.kubernetes import KubeJob, render_kubernetes
+from posttrain.stages.launch.local import RECORD, LocalNode, await_earlier
+from posttrain.stages.launch.logstream import LogSink
+from posttrain.stages.launch.signals import sigterm_raises
+from posttrain.stages.launch.slurm import SlurmJob, render_sbatch
 
 
 # How long a launch waits for an earlier one's leftovers beyond its own grace: a training rank told
-# to stop checkpoints first (core.reliability's preemption grace, 60 s by default).
+# to stop checkpoints first (posttrain.core.reliability's preemption grace, 60 s by default).
 EARLIER_GRACE_S = 60.0
 
 

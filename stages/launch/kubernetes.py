@@ -8,10 +8,10 @@ import re
 import subprocess
 import time
 
-from stages.launch.config import LauncherConfig
-from stages.launch.base import LaunchError
-from stages.launch.commands import rank_env, rdzv_id, stage_label, stage_module, templates
-from stages.launch.logstream import LogSink
+from posttrain.stages.launch.config import LauncherConfig
+from posttrain.stages.launch.base import LaunchError
+from posttrain.stages.launch.commands import rank_env, rdzv_id, stage_label, stage_module, templates
+from posttrain.stages.launch.logstream import LogSink
 
 SPEC_MOUNT = "/etc/posttrain"  # where Kubernetes pods find the spec ConfigMap
 _DONE = {"Complete": 0, "Succeeded": 0, "Failed": 1}  # TrainJob / PyTorchJob conditions
@@ -40,7 +40,7 @@ def render_kubernetes(module: str, spec_json: str, launcher: LauncherConfig, *,
         mount_keys = ("mountPath", "subPath", "readOnly")
         volumes.append({k: v for k, v in vol.items() if k not in mount_keys})
         mounts.append({"name": vol["name"], **{k: vol[k] for k in mount_keys if k in vol}})
-    cmd = ["python", "-m", "stages.launch", "torchrun"]
+    cmd = ["python", "-m", "posttrain.stages.launch", "torchrun"]
     cmd += [f"--chdir={k8s.volumes[0]['mountPath']}"] if k8s.volumes else []
     cmd += [f"--nproc-per-node={launcher.nproc_per_node}", f"--max-restarts={launcher.max_restarts}",
             "-m", stage_module(module), "--config", f"{SPEC_MOUNT}/spec.json"]

@@ -23,10 +23,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from core.atomic import write_json_atomic
-from stages.launch import proctree
-from stages.launch.base import LaunchError
-from stages.launch.logstream import LogSink, pump
+from posttrain.core.atomic import write_json_atomic
+from posttrain.stages.launch import proctree
+from posttrain.stages.launch.base import LaunchError
+from posttrain.stages.launch.logstream import LogSink, pump
 
 # In the launch's workdir, per host and node: {"owner": [pid, start], "processes": {pid: start}}.
 RECORD = "processes-{host}-node{node}.json"

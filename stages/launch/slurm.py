@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-from stages.launch.config import LauncherConfig
-from stages.launch.base import LaunchError
-from stages.launch.commands import ROOT, rank_env, stage_label, stage_module, templates
-from stages.launch.logstream import FileTail, LogSink
+from posttrain.stages.launch.config import LauncherConfig
+from posttrain.stages.launch.base import LaunchError
+from posttrain.stages.launch.commands import ROOT, rank_env, stage_label, stage_module, templates
+from posttrain.stages.launch.logstream import FileTail, LogSink
 
 _DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE"}

@@ -1,4 +1,4 @@
-"""`python -m stages.launch torchrun ...`: torchrun with its own arguments, plus what the
+"""`python -m posttrain.stages.launch torchrun ...`: torchrun with its own arguments, plus what the
 launchers need of it. It exits with the first failing rank's exit code (torchrun exits 1 whatever
 the rank's), dies with the launching thread when started by a local launch (torchrun then stops
 its workers), has its ranks die with it (signals.die_with_agent, called by each stage), and
@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from stages.launch.signals import AGENT_PID_ENV, LAUNCHER_PID_ENV, die_with_launcher
+from posttrain.stages.launch.signals import AGENT_PID_ENV, LAUNCHER_PID_ENV, die_with_launcher
 
 
 def torchrun(argv: list[str]) -> int:
@@ -38,5 +38,5 @@ def torchrun(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if argv[:1] != ["torchrun"]:
-        sys.exit("usage: python -m stages.launch torchrun [torchrun arguments]")
+        sys.exit("usage: python -m posttrain.stages.launch torchrun [torchrun arguments]")
     return torchrun(argv[1:])

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible model server on core.generation's engine (docs/serving.md).
+"""An OpenAI-compatible model server on posttrain.core.generation's engine (docs/serving.md).
 
     worker.EngineWorker   one engine replica, driven by its own thread
     protocol              request checks -> RequestParams; OpenAI-shaped errors

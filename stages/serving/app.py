@@ -1,7 +1,7 @@
 """The ASGI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and
 /metrics, over one EngineWorker.
 
-Each request is checked (stages.serving.protocol), counted against `max_queue` (429 beyond it),
+Each request is checked (posttrain.stages.serving.protocol), counted against `max_queue` (429 beyond it),
 submitted to the worker, and answered from the events the engine thread posts back onto the
 event loop (`loop.call_soon_threadsafe` into an asyncio.Queue per request): one JSON body, or
 server-sent events (`data: {...}` chunks, then `data: [DONE]`). A client that goes away before
@@ -24,10 +24,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from core.generation import RequestOutput
-from stages.serving.protocol import APIError, Limits, Parsed, parse_chat, parse_completion, parse_json
-from stages.serving.text import TextStream, final_text
-from stages.serving.worker import EngineWorker, Sink
+from posttrain.core.generation import RequestOutput
+from posttrain.stages.serving.protocol import APIError, Limits, Parsed, parse_chat, parse_completion, parse_json
+from posttrain.stages.serving.text import TextStream, final_text
+from posttrain.stages.serving.worker import EngineWorker, Sink
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def _chat_logprobs(state: ServerState, tokens: list[int], logps: list[float], to
 
 def authorized(request: Request, api_key: str | None) -> bool:
     """Every route but /health needs `Authorization: Bearer KEY` when a key is set (constant-time
-    compare). The replicas' front end (stages.serving.frontend) applies the same rule."""
+    compare). The replicas' front end (posttrain.stages.serving.frontend) applies the same rule."""
     if request.url.path == "/health" or api_key is None:
         return True
     auth = request.headers.get("authorization", "")

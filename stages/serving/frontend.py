@@ -43,9 +43,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from stages.serving.app import authorized, client_gone, unauthorized
-from stages.serving.protocol import APIError
-from stages.serving.routing import Router, estimate_cost
+from posttrain.stages.serving.app import authorized, client_gone, unauthorized
+from posttrain.stages.serving.protocol import APIError
+from posttrain.stages.serving.routing import Router, estimate_cost
 
 log = logging.getLogger(__name__)
 
@@ -533,7 +533,7 @@ def build_frontend(sup: Supervisor, api_key: str | None = None, max_retries: int
     async def sent_unless_gone(request: Request, sending, stream: bool) -> httpx.Response | None:
         """The replica's response; for a JSON answer (not a stream, which Starlette cancels itself on
         http.disconnect) None once the client has gone away first: the call is cancelled, which
-        closes its connection, and the replica aborts the request (stages.serving.app)."""
+        closes its connection, and the replica aborts the request (posttrain.stages.serving.app)."""
         if stream:
             return await sending
         task, gone = asyncio.ensure_future(sending), asyncio.ensure_future(client_gone(request))

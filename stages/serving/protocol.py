@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.generation import RequestParams
+from posttrain.core.generation import RequestParams
 
 MAX_N = 16
 MAX_STOPS = 8

@@ -11,10 +11,10 @@ from typing import Any, Callable
 
 import torch
 
-from core.generation import Engine
-from stages.serving.app import ServerState, build_app
-from stages.serving.protocol import MAX_N, Limits
-from stages.serving.worker import EngineWorker
+from posttrain.core.generation import Engine
+from posttrain.stages.serving.app import ServerState, build_app
+from posttrain.stages.serving.protocol import MAX_N, Limits
+from posttrain.stages.serving.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ def parse_adapters(spec: str | None) -> dict[str, Path]:
 def load_adapters(model: torch.nn.Module, adapters: dict[str, Path]) -> list[str]:
     """Each saved (PEFT-format) adapter onto the one base under its name; afterwards no adapter is
     active, so requests that name none get the base model."""
-    from core.lora.model import lora_modules
-    from registry.adapters import load_adapter
+    from posttrain.core.lora.model import lora_modules
+    from posttrain.registry.adapters import load_adapter
 
     for name, path in adapters.items():
         load_adapter(model, path, name)
@@ -50,13 +50,13 @@ def load_served(model_ref: str, tokenizer_dir: str | None, adapters: dict[str, P
     """(model, tokenizer, adapter names) for serve-model: the model on `device` with its adapters
     loaded; a preset without --tokenizer gets the built-in byte-level ChatML tokenizer.
     StageError / CheckpointError when something cannot be loaded."""
-    from core.model.config import ModelConfig
-    from stages.common import StageError, load_model, load_tokenizer, resolve_model_dir
+    from posttrain.core.model.config import ModelConfig
+    from posttrain.stages.common import StageError, load_model, load_tokenizer, resolve_model_dir
 
     is_preset = resolve_model_dir(model_ref)[0] is None
     model, _ = load_model(ModelConfig(name_or_path=model_ref), device)
     if tokenizer_dir is None and is_preset:
-        from registry.byte_tokenizer import byte_tokenizer
+        from posttrain.registry.byte_tokenizer import byte_tokenizer
 
         try:
             tok = byte_tokenizer(model.args.vocab_size)
@@ -91,7 +91,7 @@ def make_state(model, tokenizer, model_id: str, adapters: list[str], api_key: st
                max_queue: int = 64, engine: EngineSettings | None = None,
                make_worker: Callable[[Callable[[], Engine]], EngineWorker] = EngineWorker) -> ServerState:
     """The server's state, its engine thread started (stop it with state.worker.stop()).
-    make_worker: engine factory -> the worker (stages.serving.tp's for a tensor-parallel replica)."""
+    make_worker: engine factory -> the worker (posttrain.stages.serving.tp's for a tensor-parallel replica)."""
     engine = engine or EngineSettings()
     if model_id in adapters:
         raise ValueError(f"adapter name {model_id!r} is the base model's id")

@@ -3,9 +3,9 @@
 The launcher, the messages and the lockstep below are the same for both; only how each rank
 splits its copy of the model differs (`LAYOUTS`):
 
-    tp  every linear layer split by the TP plan (core.parallel.plans, no sequence parallelism);
+    tp  every linear layer split by the TP plan (posttrain.core.parallel.plans, no sequence parallelism);
         MoE blocks token-sharded with their experts replicated.
-    ep  each MoE layer keeps E/K of its experts (core.parallel.expert.apply_serving_expert_parallel);
+    ep  each MoE layer keeps E/K of its experts (posttrain.core.parallel.expert.apply_serving_expert_parallel);
         attention, dense MLPs, embeddings, router and shared experts stay whole on every rank.
         All ranks hold the same tokens, so each runs its experts' (token, slot) pairs and one
         all-reduce per MoE layer sums the outputs. Needs an MoE model and K dividing its experts.
@@ -57,8 +57,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from core.generation import Engine, RequestParams
-from stages.serving.worker import EngineWorker
+from posttrain.core.generation import Engine, RequestParams
+from posttrain.stages.serving.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +71,14 @@ TIMEOUT_S = 120.0
 
 
 def _split_tp(model, mesh) -> str | None:
-    from core.parallel.plans import apply_plan, transformer_tp_plan
+    from posttrain.core.parallel.plans import apply_plan, transformer_tp_plan
 
     apply_plan(model, transformer_tp_plan(model.args, sequence_parallel=False), mesh["tp"])
     return None
 
 
 def _split_ep(model, mesh) -> str | None:
-    from core.parallel.expert import apply_serving_expert_parallel
+    from posttrain.core.parallel.expert import apply_serving_expert_parallel
 
     held = apply_serving_expert_parallel(model, mesh["ep"])
     first, n = held[0]  # the same experts in every MoE layer
@@ -111,10 +111,10 @@ LAYOUTS = {
 def check_group(model_ref: str, layout: str, k: int, device: str, replicas: int = 1) -> None:
     """ValueError unless `model_ref` can be split by `layout` ("tp" or "ep") over `k` ranks on
     `device`, `replicas` times (reads only its config)."""
-    from core.model.config import ModelConfig
-    from core.parallel.config import ParallelConfig
-    from core.parallel.mesh import ParallelDims
-    from stages.common import load_model
+    from posttrain.core.model.config import ModelConfig
+    from posttrain.core.parallel.config import ParallelConfig
+    from posttrain.core.parallel.mesh import ParallelDims
+    from posttrain.stages.common import load_model
 
     flag = f"--{LAYOUTS[layout].flag}"
     if k < 1:
@@ -257,8 +257,8 @@ class GroupEngineWorker(EngineWorker):
 def _join(rank: int, world: int, master_port: int, device: str, layout: str) -> tuple[object, dist.ProcessGroup]:
     """Join the replica's process group (gloo on CPU, NCCL on CUDA); its mesh (the layout's) and a
     gloo group of the same ranks for the messages."""
-    from core.parallel.config import ParallelConfig
-    from core.parallel.mesh import init_distributed
+    from posttrain.core.parallel.config import ParallelConfig
+    from posttrain.core.parallel.mesh import init_distributed
 
     local = _cuda_index(device) + rank if device.startswith("cuda") else rank
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local), MASTER_ADDR="127.0.0.1",
@@ -271,7 +271,7 @@ def _join(rank: int, world: int, master_port: int, device: str, layout: str) -> 
 
 def _load_split(spec: dict, rank: int, mesh) -> tuple[object, object, list[str]]:
     """This rank's model (whole, with its adapters, then split by the layout) and tokenizer."""
-    from stages.serving.server import load_served
+    from posttrain.stages.serving.server import load_served
 
     adapters = {name: Path(p) for name, p in spec["adapters"].items()}
     model, tok, names = load_served(spec["model"], spec["tokenizer"], adapters,
@@ -284,7 +284,7 @@ def _load_split(spec: dict, rank: int, mesh) -> tuple[object, object, list[str]]
 
 
 def _engine_settings(spec: dict):
-    from stages.serving.server import EngineSettings
+    from posttrain.stages.serving.server import EngineSettings
 
     return EngineSettings(**spec["engine"])
 
@@ -307,8 +307,8 @@ def follow(engine: Engine, channel: Channel) -> None:
 def _follower(rank: int, world: int, master_port: int, spec: dict) -> None:
     """A follower process: join, load, wait for rank 0 at the barrier, then follow. Exit 1, with
     one line on stderr, on any failure."""
-    from stages.serving.frontend import _die_with_parent
-    from stages.serving.server import engine_factory
+    from posttrain.stages.serving.frontend import _die_with_parent
+    from posttrain.stages.serving.server import engine_factory
 
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -340,8 +340,8 @@ def serve_group(spec: dict, k: int, model_id: str, host: str, port: int, api_key
     spec: {"layout": "tp" | "ep", "model": ref, "tokenizer": dir | None, "adapters": {name: dir},
     "device": "cpu" | "cuda[:B]", "engine": EngineSettings' fields, "shown_as": name in messages}.
     Loading errors raise (the CLI prints them) after the followers are stopped."""
-    from core.parallel.mesh import _free_port
-    from stages.serving.server import make_state, serve
+    from posttrain.core.parallel.mesh import _free_port
+    from posttrain.stages.serving.server import make_state, serve
 
     master_port = _free_port()
     ctx = mp.get_context("spawn" if spec["device"].startswith("cuda") else "fork")

@@ -1,4 +1,4 @@
-"""One engine replica: a `core.generation.Engine` driven by one background thread.
+"""One engine replica: a `posttrain.core.generation.Engine` driven by one background thread.
 
 The engine is not thread-safe, so only this thread touches it. Callers `submit` a request with a
 `Sink` (three callbacks, run on the engine thread); the thread adds queued requests between
@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from core.generation import Engine, RequestOutput, RequestParams
+from posttrain.core.generation import Engine, RequestOutput, RequestParams
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class EngineWorker:
         self.num_failures = 0
         self.num_cancelled = 0  # requests aborted in the engine by `cancel`
         self.fatal: BaseException | None = None
-        """Set when the replica cannot go on (stages.serving.tp: a rank of its group failed)."""
+        """Set when the replica cannot go on (posttrain.stages.serving.tp: a rank of its group failed)."""
         self.on_fatal: Callable[[], None] | None = None
         """Called (on the engine thread) once `fatal` is set; the server stops on it."""
         self._stop = threading.Event()

@@ -1,7 +1,7 @@
-"""kernels.flash_attention (Triton, run by the interpreter) held to per-document SDPA in fp32.
+"""posttrain.kernels.flash_attention (Triton, run by the interpreter) held to per-document SDPA in fp32.
 
 Documents of lengths [5, 17, 1, 9] are packed back to back: with the interpreter's 16- and
-32-wide blocks (kernels.flash_attention.INTERPRETER_BLOCKS, unequal query and key blocks as on
+32-wide blocks (posttrain.kernels.flash_attention.INTERPRETER_BLOCKS, unequal query and key blocks as on
 the GPU) the 17-token document spans two 16-blocks, the 1-token one is a single row, and every
 block has padded rows and columns to mask; a 37-token document spans two 32-blocks, so the
 causal loop bounds start past 0. Head dims 24 and 40 are padded to 32 and 64. GQA groups of 2
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from kernel_testing import fp32_copy, launched
-from kernels import flash_attention as fa
-from kernels.dispatch import kernels_mode
-from kernels.flash_attention import flash_attn_varlen, flash_attn_varlen_reference
+from posttrain.kernels import flash_attention as fa
+from posttrain.kernels.dispatch import kernels_mode
+from posttrain.kernels.flash_attention import flash_attn_varlen, flash_attn_varlen_reference
 
 U_BF16 = 2.0**-8
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (4 * U_BF16, 2 * U_BF16)}

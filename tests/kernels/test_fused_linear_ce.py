@@ -1,4 +1,4 @@
-"""kernels.fused_linear_ce (Triton, run by the interpreter) held to core.losses.chunked_cross_entropy
+"""posttrain.kernels.fused_linear_ce (Triton, run by the interpreter) held to posttrain.core.losses.chunked_cross_entropy
 in fp32 on the same values.
 
 Shapes are odd on purpose: V = 300 over 256-wide vocab blocks (one full block and a 44-wide
@@ -23,11 +23,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from core.losses import chunked_cross_entropy
+from posttrain.core.losses import chunked_cross_entropy
 from kernel_testing import fp32_copy, launched
-from kernels import fused_linear_ce as flce
-from kernels.dispatch import kernels_mode
-from kernels.fused_linear_ce import fused_linear_cross_entropy
+from posttrain.kernels import fused_linear_ce as flce
+from posttrain.kernels.dispatch import kernels_mode
+from posttrain.kernels.fused_linear_ce import fused_linear_cross_entropy
 
 U_BF16 = 2.0**-8
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (4 * U_BF16, 2 * U_BF16)}

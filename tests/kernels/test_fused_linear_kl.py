@@ -1,5 +1,5 @@
-"""kernels.fused_linear_kl (Triton, run by the interpreter): `fused_linear_distill` held to
-core.losses.chunked_distill_loss and `fused_linear_logps` to core.losses.chunked_token_logps,
+"""posttrain.kernels.fused_linear_kl (Triton, run by the interpreter): `fused_linear_distill` held to
+posttrain.core.losses.chunked_distill_loss and `fused_linear_logps` to posttrain.core.losses.chunked_token_logps,
 in fp32 on the same values.
 
 Shapes: V = 300 over 256-wide vocab blocks (a full block and a 44-wide ragged one: the online
@@ -19,11 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.losses import chunked_distill_loss, chunked_token_logps
+from posttrain.core.losses import chunked_distill_loss, chunked_token_logps
 from kernel_testing import fp32_copy, launched
-from kernels import fused_linear_ce as flce
-from kernels import fused_linear_kl as flkl
-from kernels.fused_linear_kl import fused_linear_distill, fused_linear_logps
+from posttrain.kernels import fused_linear_ce as flce
+from posttrain.kernels import fused_linear_kl as flkl
+from posttrain.kernels.fused_linear_kl import fused_linear_distill, fused_linear_logps
 from test_fused_linear_ce import largest_allocation, make_inputs, scaled_close
 
 U_BF16 = 2.0**-8

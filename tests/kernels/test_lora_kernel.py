@@ -1,4 +1,4 @@
-"""kernels.lora: the fused LoRA matmuls (interpreter) against the fp32 reference and core.lora."""
+"""posttrain.kernels.lora: the fused LoRA matmuls (interpreter) against the fp32 reference and posttrain.core.lora."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_testing import assert_close, fp32_copy, launched
 
-from kernels import lora as K
+from posttrain.kernels import lora as K
 
 # Compared with assert_close(scaled=True): atol is relative to max|expected| (see kernel_testing).
 # u = unit roundoff: bf16 2^-8 = 3.9e-3, fp16 2^-11 = 4.9e-4.
@@ -91,8 +91,8 @@ def test_several_tiles(small_tiles):
 
 
 def test_matches_core_lora_module():
-    """Same output and adapter gradients as core.lora.LoRALinear (one adapter, no dropout)."""
-    from core.lora import LoRALinear
+    """Same output and adapter gradients as posttrain.core.lora.LoRALinear (one adapter, no dropout)."""
+    from posttrain.core.lora import LoRALinear
 
     layer = LoRALinear(torch.nn.Linear(48, 24))
     layer.add_adapter("default", rank=4, alpha=8.0)
@@ -113,10 +113,10 @@ def test_matches_core_lora_module():
 
 
 def test_routed_adapters_take_the_multi_adapter_kernel():
-    """core.lora's per-token routing (several adapters of different ranks, tokens of no adapter)
+    """posttrain.core.lora's per-token routing (several adapters of different ranks, tokens of no adapter)
     runs the multi-adapter kernel and matches its torch path (kernels mode "torch")."""
-    from core.lora import LoRALinear
-    from kernels.dispatch import kernels_mode
+    from posttrain.core.lora import LoRALinear
+    from posttrain.kernels.dispatch import kernels_mode
 
     layer = LoRALinear(torch.nn.Linear(48, 24))
     for name, rank in (("a", 4), ("b", 2), ("c", 8)):

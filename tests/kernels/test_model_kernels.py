@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.losses import chunked_cross_entropy
-from core.model import build_model, get_preset
-from kernels import dispatch
+from posttrain.core.losses import chunked_cross_entropy
+from posttrain.core.model import build_model, get_preset
+from posttrain.kernels import dispatch
 import importlib
 
 # fp32 end to end: the kernels and references differ only in summation order (~1e-7 relative
@@ -18,7 +18,7 @@ ATOL, RTOL = 2e-5, 1e-4
 
 def launches() -> int:
     mods = ("rmsnorm", "rope", "swiglu")
-    return sum(sum(importlib.import_module(f"kernels.{m}").LAUNCHES.values()) for m in mods)
+    return sum(sum(importlib.import_module(f"posttrain.kernels.{m}").LAUNCHES.values()) for m in mods)
 
 
 def loss_and_grads(model, ids, pos, labels):

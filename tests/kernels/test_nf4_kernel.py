@@ -1,4 +1,4 @@
-"""kernels.nf4: Triton NF4 dequantize (bit-exact against core.quant) and the fused NF4 matmul."""
+"""posttrain.kernels.nf4: Triton NF4 dequantize (bit-exact against posttrain.core.quant) and the fused NF4 matmul."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from kernel_testing import assert_close, launched
 
-from core.quant import NF4Weight, dequantize_nf4 as dequantize_reference, quantize_nf4
-from kernels import nf4 as K
+from posttrain.core.quant import NF4Weight, dequantize_nf4 as dequantize_reference, quantize_nf4
+from posttrain.kernels import nf4 as K
 
 # For nf4_linear, compared with assert_close(scaled=True): atol relative to max|expected|.
 # The kernel's dequantized tile equals dequantize_nf4(t, x.dtype) to the bit (tested below), so
@@ -42,7 +42,7 @@ def test_dequantize_bit_exact(dtype, double_quant):
 
 
 def test_dequantize_module_and_default_dtype():
-    mod = NF4Weight(_weight(8, 64, double_quant=True))  # the buffers core.lora keeps
+    mod = NF4Weight(_weight(8, 64, double_quant=True))  # the buffers posttrain.core.lora keeps
     with launched(K.LAUNCHES, "nf4_dequantize"):
         w = K.dequantize_nf4(mod)
     assert w.dtype == torch.bfloat16 and torch.equal(w, mod.dequantize())
@@ -77,8 +77,8 @@ def test_nf4_linear_several_tiles(monkeypatch):
 
 
 def test_matches_core_quant_nf4_linear():
-    """Same output and input gradient as core.quant.nf4_linear (what QLoRA calls today)."""
-    from core.quant import nf4_linear as core_nf4_linear
+    """Same output and input gradient as posttrain.core.quant.nf4_linear (what QLoRA calls today)."""
+    from posttrain.core.quant import nf4_linear as core_nf4_linear
 
     t = _weight(24, 64, double_quant=True, dtype=torch.float32)
     x = torch.randn(2, 5, 64, requires_grad=True)

@@ -1,4 +1,4 @@
-"""kernels.paged_attention: the Triton decode kernel (interpreter) against the fp32 torch
+"""posttrain.kernels.paged_attention: the Triton decode kernel (interpreter) against the fp32 torch
 reference, the reference against dense SDPA over contiguous keys, and the generation engine with
 the kernel in its decode steps against the engine on the torch paths."""
 
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from kernel_testing import assert_close, launched
 
-from kernels import paged_attention as K
-from kernels.dispatch import kernels_mode
+from posttrain.kernels import paged_attention as K
+from posttrain.kernels.dispatch import kernels_mode
 
 TOL = {
     # Both sides accumulate in fp32 from the same values; only the summation order differs
@@ -129,7 +129,7 @@ def test_dispatch_rules_and_errors():
 # --- the engine's decode steps on the kernel --------------------------------------------------
 
 def _engine_tokens(model, prompts, max_tokens):
-    from core.generation import Engine, RequestParams
+    from posttrain.core.generation import Engine, RequestParams
 
     engine = Engine(model, max_num_seqs=4, block_size=4, num_blocks=32)
     params = RequestParams(temperature=0, max_tokens=max_tokens)
@@ -141,8 +141,8 @@ def _engine_tokens(model, prompts, max_tokens):
 def test_engine_greedy_tokens_equal_the_sdpa_path(family):
     """Every kernel of the model runs on Triton here (interpreter), the decode groups on the paged
     kernel; kernels_mode("torch") is today's CPU engine (gather + SDPA). Same greedy tokens."""
-    from core.model.args import ModelArgs
-    from core.model.model import build_model
+    from posttrain.core.model.args import ModelArgs
+    from posttrain.core.model.model import build_model
 
     base = dict(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
                 initializer_range=0.2)  # a large init: peaked logits, so greedy ties are unlikely
@@ -166,13 +166,13 @@ def test_engine_greedy_tokens_equal_the_sdpa_path(family):
 @pytest.mark.slow
 def test_engine_prefill_of_fresh_prompts_takes_the_varlen_kernel(family, budget, launches):
     """A prefill group whose prompts all start in this step attends through
-    kernels.flash_attention.flash_attn_varlen over the step's own keys (no gather); the greedy
+    posttrain.kernels.flash_attention.flash_attn_varlen over the step's own keys (no gather); the greedy
     tokens equal the torch path's (gather + SDPA), also with a second request for a prompt already
     cached (its prefill reads cached blocks, so it gathers)."""
-    from core.generation import Engine, RequestParams
-    from core.model.args import ModelArgs
-    from core.model.model import build_model
-    from kernels import flash_attention as FA
+    from posttrain.core.generation import Engine, RequestParams
+    from posttrain.core.model.args import ModelArgs
+    from posttrain.core.model.model import build_model
+    from posttrain.kernels import flash_attention as FA
 
     base = dict(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
                 initializer_range=0.2)

@@ -1,4 +1,4 @@
-"""kernels.rmsnorm: the Triton path (interpreter) against the fp32 reference and the model."""
+"""posttrain.kernels.rmsnorm: the Triton path (interpreter) against the fp32 reference and the model."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from kernel_testing import assert_close, fp32_copy, launched, leaf
 
-from core.model.layers import RMSNorm
-from kernels import rmsnorm as K
+from posttrain.core.model.layers import RMSNorm
+from posttrain.kernels import rmsnorm as K
 
 EPS = 1e-6
 # u = unit roundoff (half an ulp, relative): fp32 2^-24, bf16 2^-8 = 3.9e-3, fp16 2^-11 = 4.9e-4.
@@ -69,7 +69,7 @@ def test_matches_fp32_reference(shape, with_residual, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_follows_model_convention(dtype):
-    """Normalize in fp32, cast, then scale: the kernel and core.model.layers.RMSNorm agree to
+    """Normalize in fp32, cast, then scale: the kernel and posttrain.core.model.layers.RMSNorm agree to
     the bit except where the fp32 rstd (summed in another order) straddles a rounding boundary.
     Scaling in fp32 before the cast (the other common convention) differs on ~1/4 of elements."""
     x = torch.randn(16, 257).to(dtype)

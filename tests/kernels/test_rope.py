@@ -1,4 +1,4 @@
-"""kernels.rope: the Triton rotation (interpreter) against core.model.rope in fp32."""
+"""posttrain.kernels.rope: the Triton rotation (interpreter) against posttrain.core.model.rope in fp32."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from kernel_testing import assert_close, launched
 
-from core.model.rope import apply_rope as rope_one, rope_cos_sin, rope_frequencies
-from kernels import rope as K
+from posttrain.core.model.rope import apply_rope as rope_one, rope_cos_sin, rope_frequencies
+from posttrain.kernels import rope as K
 
 # u = unit roundoff: bf16 2^-8 = 3.9e-3, fp16 2^-11 = 4.9e-4.
 TOL = {
@@ -38,7 +38,7 @@ def _heads(t, head_dim):
 def _qk(x, layout, n_heads, head_dim):
     """q, k from the activation x as the model makes them. x * 1 stands for a projection: its
     output is a non-leaf whose views may be written in place."""
-    if layout == "projections":  # q_proj(x), k_proj(x): separate tensors (core.model.model)
+    if layout == "projections":  # q_proj(x), k_proj(x): separate tensors (posttrain.core.model.model)
         q_part, k_part = x[..., : n_heads * head_dim] * 1, x[..., n_heads * head_dim:] * 1
     else:  # one fused qkv projection split in two: views autograd will not let us overwrite
         q_part, k_part = (x * 1).split([n_heads * head_dim, x.shape[-1] - n_heads * head_dim], dim=-1)

@@ -1,4 +1,4 @@
-"""kernels.swiglu: the Triton path (interpreter) against the fp32 reference."""
+"""posttrain.kernels.swiglu: the Triton path (interpreter) against the fp32 reference."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kernel_testing import assert_close, fp32_copy, launched, leaf
 
 # Not `from kernels import swiglu`: the package re-exports the function under the module's name.
-K = importlib.import_module("kernels.swiglu")
+K = importlib.import_module("posttrain.kernels.swiglu")
 
 # u = unit roundoff: bf16 2^-8 = 3.9e-3, fp16 2^-11 = 4.9e-4.
 TOL = {

@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from core.parallel.config import ParallelConfig
-from core.losses import cross_entropy
-from core.model import build_model, get_preset
-from core.model.moe import MoE
-from core.parallel.expert import reduce_moe_stats
-from core.parallel.grad_norm import grad_norm
-from core.parallel.mesh import init_distributed
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.losses import cross_entropy
+from posttrain.core.model import build_model, get_preset
+from posttrain.core.model.moe import MoE
+from posttrain.core.parallel.expert import reduce_moe_stats
+from posttrain.core.parallel.grad_norm import grad_norm
+from posttrain.core.parallel.mesh import init_distributed
 
 TOL = 1e-5  # fp32: parallel runs differ from one process only by summation order (~1e-7 measured)
 
@@ -92,7 +92,7 @@ def model_args(name: str, **overrides):
 def reference_model(args, seed: int = 0, lora: dict | None = None):
     model = build_model(args, seed=seed)
     if lora:
-        from core.lora import apply_lora
+        from posttrain.core.lora import apply_lora
 
         torch.manual_seed(seed + 1)
         apply_lora(model, **lora)
@@ -222,7 +222,7 @@ def dp_reference_loss(ids, pos, dp: int) -> Callable:
 
 def par_loss_fn(mesh, ids, pos=None) -> Callable:
     """Loss of this rank's shard under `mesh` (vocab-parallel under tp), and its global value."""
-    from core.parallel.losses import vocab_parallel_cross_entropy
+    from posttrain.core.parallel.losses import vocab_parallel_cross_entropy
 
     def f(m):
         i, p = dp_shard(ids, mesh), dp_shard(pos, mesh)

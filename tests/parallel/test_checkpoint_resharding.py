@@ -15,12 +15,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from core.parallel.config import ParallelConfig
-from core.losses import cross_entropy
-from core.model import build_model
-from core.parallel import parallelize, parallelize_pipeline
-from core.parallel.checkpoint import full_state_dict
-from core.parallel.mesh import ParallelDims, ParallelMesh
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.losses import cross_entropy
+from posttrain.core.model import build_model
+from posttrain.core.parallel import parallelize, parallelize_pipeline
+from posttrain.core.parallel.checkpoint import full_state_dict
+from posttrain.core.parallel.mesh import ParallelDims, ParallelMesh
 from tests.parallel._dist import clone, model_args, param_diff, reference_model, run_ranks, setup
 
 TOL = 0.0  # a checkpoint round trip moves bytes, it does no arithmetic
@@ -95,8 +95,8 @@ def _roundtrips(tmp: str) -> dict[str, float]:
 
     # HF export of a tp=2 LoRA model, as the stages do it: gather (LoRA layers included) into a
     # plain copy on rank 0, then write the merged state dict
-    from core.lora import merge_lora, merged_state_dict
-    from registry.hf import load_pretrained, save_pretrained
+    from posttrain.core.lora import merge_lora, merged_state_dict
+    from posttrain.registry.hf import load_pretrained, save_pretrained
 
     args = model_args("debug")
     lora = dict(rank=4, alpha=8.0, targets="all-linear")

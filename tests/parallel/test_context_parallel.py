@@ -9,14 +9,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from core.parallel.config import ParallelConfig
-from core.losses import IGNORE_INDEX, cross_entropy
-from core.losses import shift_labels as _shift
-from core.model.model import build_attention_mask
-from core.parallel import context_parallel_shard, context_parallel_unshard, parallelize
-from core.parallel.context import cp_batch, ring_attention
-from core.parallel.losses import vocab_parallel_cross_entropy
-from core.parallel.mesh import ParallelDims, ParallelMesh
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.losses import IGNORE_INDEX, cross_entropy
+from posttrain.core.losses import shift_labels as _shift
+from posttrain.core.model.model import build_attention_mask
+from posttrain.core.parallel import context_parallel_shard, context_parallel_unshard, parallelize
+from posttrain.core.parallel.context import cp_batch, ring_attention
+from posttrain.core.parallel.losses import vocab_parallel_cross_entropy
+from posttrain.core.parallel.mesh import ParallelDims, ParallelMesh
 from tests.parallel._dist import (
     TOL, all_reduce, batch, clone, compare_training, loss_of, model_args, reference_model, run_ranks, setup,
 )

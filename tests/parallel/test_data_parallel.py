@@ -9,10 +9,10 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from core.parallel.config import ParallelConfig
-from core.quant import NF4Weight
-from core.parallel import parallelize
-from core.parallel.mesh import ParallelDims, ParallelMesh
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.quant import NF4Weight
+from posttrain.core.parallel import parallelize
+from posttrain.core.parallel.mesh import ParallelDims, ParallelMesh
 from tests.parallel._dist import (
     TOL, batch, clone, compare_training, dp_reference_loss, model_args, par_loss_fn, reference_model, run_ranks,
     setup,

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.parallel.config import ParallelConfig
-from core.model.args import MoEArgs
-from core.model.moe import MoE, routed_experts
-from core.parallel import parallelize
-from core.parallel.expert import AllToAllDispatcher, apply_expert_parallel
-from core.parallel.mesh import ParallelDims, ParallelMesh
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.model.args import MoEArgs
+from posttrain.core.model.moe import MoE, routed_experts
+from posttrain.core.parallel import parallelize
+from posttrain.core.parallel.expert import AllToAllDispatcher, apply_expert_parallel
+from posttrain.core.parallel.mesh import ParallelDims, ParallelMesh
 from tests.parallel._dist import (
     TOL, batch, clone, compare_training, dp_reference_loss, model_args, par_loss_fn, reference_model, run_ranks,
     setup,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from core.parallel.config import ParallelConfig
-from core.model import get_preset
-from core.parallel.mesh import ParallelDims, TorchrunEnv, init_distributed
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.model import get_preset
+from posttrain.core.parallel.mesh import ParallelDims, TorchrunEnv, init_distributed
 from tests.parallel._dist import run_ranks
 
 DENSE, MOE = get_preset("debug"), get_preset("debug-moe")

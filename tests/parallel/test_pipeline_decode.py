@@ -1,20 +1,20 @@
-"""Decoding under pipeline parallelism (core.parallel.pipeline_decode) against one process:
+"""Decoding under pipeline parallelism (posttrain.core.parallel.pipeline_decode) against one process:
 pp=4 (one layer per stage), pp=2 x tp=2, and the looped placement (two stages per rank) with
 tied embeddings, on 4 ranks. Greedy and seeded sampling give the same tokens, the same
-log-probs and the same finish reasons as core.model.generate on the whole model."""
+log-probs and the same finish reasons as posttrain.core.model.generate on the whole model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from core.losses import cross_entropy
-from core.model.generate import SamplingParams, generate
-from core.parallel import parallelize_pipeline
-from core.parallel.config import ParallelConfig
-from core.parallel.mesh import ParallelDims, ParallelMesh
-from core.parallel.pipeline import keep_own_stages
-from core.parallel.tensor import decode_without_sequence_parallel
+from posttrain.core.losses import cross_entropy
+from posttrain.core.model.generate import SamplingParams, generate
+from posttrain.core.parallel import parallelize_pipeline
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.parallel.mesh import ParallelDims, ParallelMesh
+from posttrain.core.parallel.pipeline import keep_own_stages
+from posttrain.core.parallel.tensor import decode_without_sequence_parallel
 from tests.parallel._dist import TOL, clone, model_args, reference_model, run_ranks, setup
 
 PROMPTS = [[5, 9, 11], [7], [3, 4, 8, 2, 6]]  # different lengths: left padding in one batch
@@ -36,7 +36,7 @@ def _decode(layouts) -> dict[str, float]:
         keep_own_stages(model, pipe)
         for kind, params in PARAMS.items():
             want = generate(ref, PROMPTS, params)
-            with decode_without_sequence_parallel(model):  # as stages.training.sampling does
+            with decode_without_sequence_parallel(model):  # as posttrain.stages.training.sampling does
                 got = generate(model, PROMPTS, params)
             key = f"{name}/{kind}"
             results[f"{key}/tokens"] = float(sum(g.tokens != w.tokens or g.finish_reason != w.finish_reason

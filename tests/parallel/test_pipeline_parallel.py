@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core.parallel.config import ParallelConfig
-from core.losses import cross_entropy
-from core.parallel import parallelize_pipeline
-from core.parallel.losses import vocab_parallel_cross_entropy
-from core.parallel.mesh import ParallelDims, ParallelMesh
-from core.parallel.pipeline import split_layers
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.losses import cross_entropy
+from posttrain.core.parallel import parallelize_pipeline
+from posttrain.core.parallel.losses import vocab_parallel_cross_entropy
+from posttrain.core.parallel.mesh import ParallelDims, ParallelMesh
+from posttrain.core.parallel.pipeline import split_layers
 from tests.parallel._dist import (
     TOL, all_reduce, batch, clone, compare_training, dp_reference_loss, dp_shard, model_args, reference_model,
     run_ranks, setup,
@@ -130,6 +130,6 @@ def _accumulate_around_eval(world: int) -> float:
 @pytest.mark.slow
 def test_a_forward_only_step_keeps_the_gradients_accumulated_under_fsdp():
     """torch clears an FSDP stage's gradients whenever a schedule switches between eval and
-    training (core.parallel.pipeline._Stage keeps them): accumulated micro-batches must survive
+    training (posttrain.core.parallel.pipeline._Stage keeps them): accumulated micro-batches must survive
     a forward-only pass between them."""
     assert run_ranks(_accumulate_around_eval, 4, 4) == [0.0] * 4

@@ -1,6 +1,6 @@
 """Tensor + sequence parallelism on 2 ranks against one process: the model matrix (dense / MoE,
 with / without sequence parallelism, with / without LoRA) trained two AdamW steps, and the
-vocab-parallel losses against core.losses."""
+vocab-parallel losses against posttrain.core.losses."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core import losses as L
-from core.parallel.config import ParallelConfig
-from core.parallel import parallelize
-from core.parallel import losses as VP
-from core.parallel import mappings as M
-from core.parallel.tensor import ColumnParallelLinear, RowParallelLoRALinear, VocabParallelEmbedding
+from posttrain.core import losses as L
+from posttrain.core.parallel.config import ParallelConfig
+from posttrain.core.parallel import parallelize
+from posttrain.core.parallel import losses as VP
+from posttrain.core.parallel import mappings as M
+from posttrain.core.parallel.tensor import ColumnParallelLinear, RowParallelLoRALinear, VocabParallelEmbedding
 from tests.parallel._dist import (
     TOL, batch, clone, compare_training, loss_of, model_args, reference_model, run_ranks, setup,
 )
