@@ -466,39 +466,69 @@ def test_selection_and_names():
 # ------------------------------------------------------------------------------------ ranks
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("parallel,models", [
-    ({}, ("alpha", "beta")),                # replicas; 3 batches: the ranks take 2 and 1
-    ({"tp": 2}, ("alpha", "beta")),         # both ranks every batch, the models split over them
-    ({"dp_shard": 2}, ("alpha", "beta")),   # each model sharded (FSDP), the ranks' batches in lockstep
-    ({"ep": 2}, ("moe", "alpha")),          # an MoE's experts spread over the ranks (the dense one sharded)
-    ({"pp": 2}, ("alpha", "moe")),          # each model in 2 pipeline stages: forwards and decoding stage by stage
-    ({"cp": 2}, ("alpha", "beta")),         # sharded over the cp ranks (whole rows each), in lockstep
+# Each layout the ranks test runs: name -> (its parallel settings, the two models). The layouts share
+# launches (test_stage_parallel.torchrun_batch): one torchrun of 2 ranks runs the evaluate stages of
+# the 2-rank layouts one after another, one of 4 the 4-rank one.
+EVAL_LAYOUTS = {
+    "data_parallel": ({}, ("alpha", "beta")),   # replicas; 3 batches: the ranks take 2 and 1
+    "tp": ({"tp": 2}, ("alpha", "beta")),       # both ranks every batch, the models split over them
+    "fsdp": ({"dp_shard": 2}, ("alpha", "beta")),  # each model sharded (FSDP), the ranks' batches in lockstep
+    "ep": ({"ep": 2}, ("moe", "alpha")),        # an MoE's experts spread over the ranks (the dense one sharded)
+    "pp": ({"pp": 2}, ("alpha", "moe")),        # each model in 2 pipeline stages: forwards and decoding stage by stage
+    "cp": ({"cp": 2}, ("alpha", "beta")),       # sharded over the cp ranks (whole rows each), in lockstep
     # 4 ranks: 2 stages, each sharded over the 2 cp ranks (rows whole), the stage walk in lockstep
-    ({"pp": 2, "cp": 2}, ("alpha", "moe")),
-], ids=["data_parallel", "tp", "fsdp", "ep", "pp", "cp", "pp_cp"])
-def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path, parallel, models):
+    "pp_cp": ({"pp": 2, "cp": 2}, ("alpha", "moe")),
+}
+
+
+def eval_common(tiny: Path, data: Path, models: tuple[str, ...]) -> dict:
+    return dict(models=[str(tiny / m) for m in models], data=[str(data)], batch_size=2, temperature=1.0,
+                num_samples=2, pass_k=[1, 2], max_new_tokens=NEW, tracking=OFF)
+
+
+@pytest.fixture(scope="module")
+def ranks_work(tmp_path_factory):
+    return tmp_path_factory.mktemp("eval_ranks")
+
+
+@pytest.fixture(scope="module")
+def launched(tiny, user_data, ranks_work, request):
+    """The asked-for layouts of EVAL_LAYOUTS under torchrun, one launch per world size: {layout:
+    [] or why its launch did not finish it}; outputs in ranks_work/<layout>."""
+    from test_stage_parallel import Launched, asked_for, torchrun_batch
+
+    from posttrain.stages.launch.config import LauncherConfig
+
+    wanted = asked_for(request, EVAL_LAYOUTS)
+    nprocs = {n: 4 if len(EVAL_LAYOUTS[n][0]) > 1 else 2 for n in wanted}
+    out = {}
+    for nproc in sorted(set(nprocs.values())):
+        configs = {n: EvalConfig(output_dir=str(ranks_work / n), launcher=LauncherConfig(nproc_per_node=nproc),
+                                 parallel=EVAL_LAYOUTS[n][0], **eval_common(tiny, user_data["file"], EVAL_LAYOUTS[n][1]))
+                   for n in wanted if nprocs[n] == nproc}
+        out.update(torchrun_batch(configs, nproc, ranks_work / f".batch-{nproc}"))
+    return Launched(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(EVAL_LAYOUTS))
+def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path, launched, ranks_work, layout):
     """Sampled generations, perplexity and pairs over 2 (4) torchrun ranks equal one process's: the same
     samples, the same metrics (log-probs to float rounding). Sharded (FSDP, EP), every forward is
     collective: a rank out of batches runs filler forwards, and decoding goes on until both ranks'
     rows are done."""
+    from test_stage_parallel import stage_log
+
     from posttrain.stages.evaluate import run
     from posttrain.stages.evaluation.plan import model_names
-    from posttrain.stages.launch import Launch
-    from posttrain.stages.launch.config import LauncherConfig
 
-    common = dict(models=[str(tiny / m) for m in models], data=[str(user_data["file"])], batch_size=2,
-                  temperature=1.0, num_samples=2, pass_k=[1, 2], max_new_tokens=NEW, tracking=OFF)
-    one = run(EvalConfig(output_dir=str(tmp_path / "one"), **common))
-    nproc = 4 if len(parallel) > 1 else 2
-    spec = EvalConfig(output_dir=str(tmp_path / "two"), launcher=LauncherConfig(nproc_per_node=nproc),
-                      parallel=parallel, **common)
-    result = Launch("evaluate", spec, spec.launcher, workdir=tmp_path / ".launch").start().wait()
-    log = Path(result.log_file).read_text()
-    assert result.ok, log[-3000:]
+    parallel, models = EVAL_LAYOUTS[layout]
+    one = run(EvalConfig(output_dir=str(tmp_path / "one"), **eval_common(tiny, user_data["file"], models)))
+    launched[layout]  # raises with the launch's output if it did not finish this layout
+    log = stage_log(ranks_work / f".batch-{4 if len(parallel) > 1 else 2}", layout)
     assert ("ranks in lockstep" in log) == (set(parallel) & {"dp_shard", "ep", "cp"} != set())  # sharded, or not
     assert log.count("split into pipeline stages") == (len(models) if "pp" in parallel else 0)
-    two = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    two = json.loads((ranks_work / layout / "manifest.json").read_text())
     first, second = (model_names([str(tiny / m) for m in models]))
     assert set(two["results"][first]) == set(one["results"][first]) >= {"pass@2", "perplexity", f"win_rate/{second}"}
     for name in (first, second):
@@ -506,5 +536,5 @@ def test_two_processes_give_the_single_process_metrics(tiny, user_data, tmp_path
             # generation metrics are equal; log-probs up to float summation order (threads per rank)
             assert two["results"][name][k] == pytest.approx(v, rel=1e-6), k
     samples = lambda d: [(s["model"], s["index"], s["completion"]) for s in  # noqa: E731
-                         json.loads((tmp_path / d / "samples.json").read_text())]
-    assert samples("one") == samples("two")
+                         json.loads((d / "samples.json").read_text())]
+    assert samples(tmp_path / "one") == samples(ranks_work / layout)

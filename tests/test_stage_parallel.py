@@ -42,7 +42,7 @@ from safetensors.torch import load_file
 
 from posttrain.core.config import to_json_file
 from posttrain.core.tracking import TrackingConfig
-from posttrain.stages.config import DataPrepConfig, DistillConfig, DPOConfig, SFTConfig
+from posttrain.stages.config import DataPrepConfig, DistillConfig, DPOConfig, EvalConfig, SFTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-4  # fp32 on CPU: the layouts differ from one process by summation order (~1e-7 measured)
@@ -84,12 +84,23 @@ if kill_at:  # every rank dies the moment the checkpoint of step `kill_at` is co
 if __name__ == "__main__" and sys.argv[1] == "--batch":  # (a spawned generator worker imports this file again)
     # several stages one after the other in these ranks, in one process group (the stages' own
     # close_distributed would drop it between them); rank 0 marks each one done
+    # Each rank's output of a stage goes to <done>.rank<R>.log (what a launch of its own would log).
     import torch.distributed as dist
     recipe.close_distributed = lambda: None
     for module, spec, metrics, done in json.loads(open(sys.argv[2]).read()):
         os.environ["POSTTRAIN_TEST_METRICS"] = metrics
-        print(f"==> {module} {spec}", flush=True)
-        importlib.import_module(module).main(["--config", spec])
+        stage = importlib.import_module(module)
+        if hasattr(stage, "close_distributed"):  # a stage that closes the group itself (evaluate)
+            stage.close_distributed = lambda: None
+        sys.stdout.flush(), sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        with open(f"{done}.rank{os.environ['RANK']}.log", "w") as log:
+            os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+            try:
+                stage.main(["--config", spec])
+            finally:
+                sys.stdout.flush(), sys.stderr.flush()
+                os.dup2(saved[0], 1), os.dup2(saved[1], 2)
         if os.environ["RANK"] == "0":
             open(done, "w").close()
     if dist.is_initialized():
@@ -98,7 +109,8 @@ elif __name__ == "__main__":
     importlib.import_module(sys.argv[1]).main(sys.argv[2:])
 """
 
-MODULES = {SFTConfig: "posttrain.stages.sft", DPOConfig: "posttrain.stages.dpo", DistillConfig: "posttrain.stages.distill"}
+MODULES = {SFTConfig: "posttrain.stages.sft", DPOConfig: "posttrain.stages.dpo", DistillConfig: "posttrain.stages.distill",
+           EvalConfig: "posttrain.stages.evaluate"}
 
 
 def sft_config(root: Path, name: str, data: dict | None = None, **kw) -> SFTConfig:
@@ -268,7 +280,8 @@ class Launched(dict):
 def torchrun_batch(configs: dict[str, object], nproc: int, work: Path) -> dict[str, list[dict] | str]:
     """Run the stages of `configs` ({name: stage config}) one after the other in one torchrun
     launch of `nproc` ranks (one process group); {name: rank 0's metrics records}, or the
-    launch's output tail for those it did not finish."""
+    launch's output tail and the stage's own for those it did not finish. Each stage's output,
+    all ranks', is in stage_log(work, name)."""
     layouts = list(configs)
     work.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -291,8 +304,13 @@ def torchrun_batch(configs: dict[str, object], nproc: int, work: Path) -> dict[s
             out[name] = plain([json.loads(line) for line in Path(metrics).read_text().splitlines()])
         else:
             out[name] = (f"the {nproc}-rank launch of {layouts} (exit {proc.returncode}) did not finish {name!r}:\n"
-                         + (proc.stdout + proc.stderr)[-6000:])
+                         + (proc.stdout + proc.stderr)[-3000:] + f"\n--- {name}'s output:\n" + stage_log(work, name)[-4000:])
     return out
+
+
+def stage_log(work: Path, name: str) -> str:
+    """What stage `name` of a torchrun_batch in `work` printed, rank by rank."""
+    return "".join(f.read_text(errors="replace") for f in sorted(work.glob(f"{name}.done.rank*.log")))
 
 
 def in_process(cfg) -> list[dict]:
