@@ -301,7 +301,8 @@ def torchrun_batch(configs: dict[str, object], nproc: int, work: Path) -> dict[s
     out: dict[str, list[dict] | str] = {}
     for name, (_, _, metrics, done) in zip(layouts, runs):
         if Path(done).exists():
-            out[name] = plain([json.loads(line) for line in Path(metrics).read_text().splitlines()])
+            lines = Path(metrics).read_text().splitlines() if Path(metrics).exists() else []  # none logged
+            out[name] = plain([json.loads(line) for line in lines])
         else:
             out[name] = (f"the {nproc}-rank launch of {layouts} (exit {proc.returncode}) did not finish {name!r}:\n"
                          + (proc.stdout + proc.stderr)[-3000:] + f"\n--- {name}'s output:\n" + stage_log(work, name)[-4000:])
