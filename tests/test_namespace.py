@@ -14,22 +14,14 @@ from __future__ import annotations
 
 import ast
 import importlib.machinery
-import os
 import sys
 import tomllib
 from pathlib import Path
 
+from test_security import python_files  # every .py of the repository (tests/test_security.py's walk)
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("core", "kernels", "stages", "flows", "registry", "benchmarks")
-SKIP_DIRS = {".venv", ".git", "build", "dist", "__pycache__", "test-artifacts", "node_modules"}
-
-
-def python_files() -> list[Path]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(ROOT):
-        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info")]
-        out += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
-    return sorted(out)
 
 
 def bare_imports(path: Path) -> list[str]:
