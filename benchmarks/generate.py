@@ -43,7 +43,6 @@ from pathlib import Path
 
 from posttrain.benchmarks import emit
 
-ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("engine", "static", "transformers", "floor")
 
 

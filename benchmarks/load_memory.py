@@ -52,7 +52,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("smollm2-135m", "qwen2.5-0.5b")
 PATHS = ("old", "new")
 CASES = ("bfloat16:float32", "float32:float32", "bfloat16:bfloat16")
@@ -157,13 +156,12 @@ def measure(path: str, model_dir: Path, dtype: str, nproc: int, workdir: Path, q
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "posttrain.benchmarks.load_memory", "--worker", path, "--model-dir", str(model_dir), "--dtype", dtype,
            "--ranks-out", str(out), *(["--qlora"] if qlora else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # gloo has been seen to abort a rank on CPU ("terminate called without an active exception",
     # SIGABRT) once in many runs: such a run is measured again, once; any other failure fails at once.
     for retry in (True, False):
         out.unlink(missing_ok=True)
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True)
         ranks = json.loads(out.read_text()) if out.exists() else None
         if ranks is not None and len(ranks) == nproc:
             if proc.returncode:  # every rank's figures were gathered and written: the crash was at teardown

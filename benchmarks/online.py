@@ -39,7 +39,6 @@ from pathlib import Path
 
 from posttrain.benchmarks import emit
 
-ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"debug": {}, "mid": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4,
                                "intermediate_size": 1408}}
 SIDES = ("static", "engine", "disaggregated")
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict = {"command": "python -m posttrain.benchmarks.online " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "cpus": os.cpu_count(), "prompts": args.prompts, "samples": args.samples,
                  "new_tokens": args.new_tokens, "workers": args.workers, "shapes": {}}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="online.") as tmp:
         root = Path(tmp)
         from posttrain.core.tracking import TrackingConfig

@@ -33,7 +33,6 @@ from pathlib import Path
 
 from posttrain.benchmarks import emit
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def stage(module: str, cfg, root: Path, env: dict) -> float:
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     sft_steps, qat_steps, size = (30, 10, 200) if args.quick else (args.sft_steps, args.qat_steps, 2000)
     qat = QATConfig(weights=args.weights, group_size=args.group_size, activations=args.activations)
     off = TrackingConfig(enabled=False)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = dict(os.environ)
     doc: dict = {"benchmark": "qat", "command": "python -m posttrain.benchmarks.qat " + " ".join(argv if argv is not None
                                                                                        else sys.argv[1:]),
                  "qat": qat.model_dump(), "sft_steps": sft_steps, "qat_steps": qat_steps, "synthetic_size": size}

@@ -44,7 +44,6 @@ from pathlib import Path
 
 from posttrain.benchmarks import emit
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "bench-key"
 LAYOUT = re.compile(r"^r(\d+)(?:tp(\d+))?$")
 
@@ -129,7 +128,7 @@ class Served:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         threads = max(1, (os.cpu_count() or 1) // (replicas * tp))
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": str(threads)}
+        env = {**os.environ, "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": str(threads)}
         cmd = [sys.executable, "-m", "posttrain.flows.cli", "serve-model", str(checkpoint), "--port", str(self.port),
                "--served-model-name", "bench", "--max-queue", "1024", "--max-num-seqs", str(max_num_seqs)]
         if replicas > 1:

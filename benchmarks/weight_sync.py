@@ -35,7 +35,6 @@ from pathlib import Path
 
 from posttrain.benchmarks import emit
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("debug", "smollm2-135m", "qwen2.5-0.5b")
 LORA = dict(rank=16, alpha=32.0, targets="all-linear")
 
@@ -120,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "gloo": "gloo broadcast over loopback TCP"},
                  "processes": "2 (trainer, generator), CPU, 1 thread each", "cpus": os.cpu_count(),
                  "bucket_mb": args.bucket_mb, "lora": LORA, "models": {}}
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="weight_sync.") as tmp:
         for name in args.models:
             out = Path(tmp) / f"{name}.json"
@@ -129,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                    "posttrain.benchmarks.weight_sync", "--worker", name, "--reps", str(args.reps), "--result", str(out)]
             if args.bucket_mb is not None:
                 cmd += ["--bucket-mb", str(args.bucket_mb)]
-            proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+            proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
             if proc.returncode:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
             doc["models"][name] = json.loads(out.read_text())

@@ -6,7 +6,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+import posttrain.configs
+
+# configs/, installed as package data of posttrain.configs: the wheel alone runs the demo.
+DEMO_CONFIG = Path(posttrain.configs.__file__).resolve().parent / "demo.yaml"
 
 
 def _fmt(v) -> str:

@@ -4,6 +4,12 @@ the tests start keep their database there, not in ~/.prefect, and no test run ap
 user's UI), and no PREFECT_API_URL / MLFLOW_TRACKING_URI / PREFECT_PROFILE of the user's shell
 reaches a test. A test that needs a server of its own sets these itself.
 
+The repository root is on no process's import path: its `kernels/` folder (installed as
+posttrain.kernels) would shadow Hugging Face's `kernels`, which transformers imports. The tests
+import one another as `tests.<module>` (and the ranks of a launched stage import test stages such
+as `tests.probe_stage`) through a directory of this session that holds only a `tests` link to
+tests/; it is first on sys.path here and on PYTHONPATH for every process a test starts.
+
 The tiers (docs/testing.md): tests/tier_guard.py fails a test without the `slow` mark that starts
 a process or listens on a socket."""
 
@@ -11,7 +17,22 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IMPORTS = Path(tempfile.mkdtemp(prefix="posttrain-tests-path-"))
+(IMPORTS / "tests").symlink_to(ROOT / "tests", target_is_directory=True)
+
+
+def _not_root(entry: str) -> bool:
+    return Path(entry or ".").resolve() != ROOT
+
+
+sys.path[:] = [str(IMPORTS), *filter(_not_root, sys.path)]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(IMPORTS), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and _not_root(p))])
 
 from tests.tier_guard import _fast_tier_starts_no_process, pytest_runtest_makereport  # noqa: F401
 
@@ -24,3 +45,4 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 def pytest_unconfigure(config):
     shutil.rmtree(_HOME, ignore_errors=True)
+    shutil.rmtree(IMPORTS, ignore_errors=True)

@@ -4,7 +4,7 @@
     python -m tests.probe_stage --config spec.json      (what every rank runs, under torchrun)
 
 A test fixture, not a product stage: the launcher runs it by its dotted path, which the ranks
-import from the repository root (on their PYTHONPATH, as the launcher sets it).
+import as `tests.probe_stage` (tests/conftest.py puts a path to it on every test process's PYTHONPATH).
 
 Every rank joins a gloo process group from the torchrun environment and all-reduces its rank, so a
 manifest with `sum == world_size * (world_size - 1) / 2` means every rank rendezvoused. Rank 0 then

@@ -93,11 +93,11 @@ def test_stages_import_no_prefect():
 
 
 @pytest.mark.slow
-def test_flows_import_no_torch_at_module_level():
+def test_flows_import_no_torch_at_module_level(tmp_path):
     assert violations("flows", ("torch", "triton"), module_level_only=True) == []
     code = ("import sys, posttrain.flows.pipeline, posttrain.flows.deploy, posttrain.flows.cli, posttrain.flows.dag, posttrain.flows.ui, posttrain.flows.report, posttrain.flows.demo; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"importing the flow modules loaded: {out.stdout}"
 

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # forks a forkserver and 3 jobs (~30 s on a loaded 2-core machine)
 
 
 def test_quick_benchmark_document(tmp_path):
     out = tmp_path / "adapters.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "posttrain.flows.cli", "bench", "adapters", "--quick", "--adapters", "2",
-                           "--steps", "1", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                           "--steps", "1", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)

@@ -17,7 +17,6 @@ import pytest
 
 from posttrain.benchmarks.kernels import OPS
 
-ROOT = Path(__file__).resolve().parents[1]
 IMPL_STATUSES = {"ok", "missing", "unavailable", "skipped", "error"}
 # Ops whose kernels ship with the benchmark: these may never be reported missing.
 CORE_OPS = {"fused_linear_cross_entropy", "fused_linear_logps", "fused_linear_distill", "flash_attn_varlen"}
@@ -29,7 +28,7 @@ def doc(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"  # tiny shapes: threads only add contention on a shared machine
     proc = subprocess.run([sys.executable, "-m", "posttrain.benchmarks.kernels", "--device", "cpu", "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=out.parent, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout)  # stdout is exactly one JSON document
     assert json.loads(out.read_text()) == printed

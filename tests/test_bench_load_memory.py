@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -22,8 +21,8 @@ def test_load_memory_benchmark_reports_every_rank(tmp_path):
     out = tmp_path / "load_memory.json"
     cmd = [sys.executable, "-m", "posttrain.benchmarks.load_memory", "--models", "debug", "--nproc", "2", "--cases", "bfloat16:float32",
            "--workdir", str(tmp_path / "work"), "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert doc["nproc"] == 2 and doc["command"].startswith("python -m posttrain.benchmarks")

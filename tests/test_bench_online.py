@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -20,7 +19,7 @@ def test_online_benchmark_reports_three_sides(tmp_path):
     out = tmp_path / "online.json"
     cmd = [sys.executable, "-m", "posttrain.flows.cli", "bench", "online", "--shapes", "debug", "--prompts", "4", "--samples",
            "2", "--new-tokens", "4", "--threads", "1", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shape = json.loads(out.read_text())["shapes"]["debug"]

@@ -13,7 +13,6 @@ import pytest
 
 pytestmark = pytest.mark.slow  # every test runs the benchmark CLI as a process
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # Makes `name` (and its submodules) unimportable, as if it were not installed.
 BLOCKER = textwrap.dedent("""
@@ -43,8 +42,8 @@ def _write_blocker(tmp_path: Path, blocked: list[str]) -> Path:
 
 def _run(tmp_path: Path, blocked: list[str], argv: list[str]) -> subprocess.CompletedProcess:
     site = _write_blocker(tmp_path, blocked)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ["PYTHONPATH"]])}
+    return subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("blocked", [["peft"], ["transformers", "peft"]])

@@ -15,7 +15,6 @@ import pytest
 
 from posttrain.benchmarks.serve import parse_layout, percentile
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_layouts_and_percentiles():
@@ -31,7 +30,7 @@ def test_serve_benchmark_reports_both_sides(tmp_path):
     out = tmp_path / "serve.json"
     cmd = [sys.executable, "-m", "posttrain.flows.cli", "bench", "serve", "--models", "debug", "--layouts", "r1",
            "--concurrency", "1", "2", "--requests", "4", "--max-tokens", "4", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=tmp_path, env=os.environ, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads(out.read_text())["models"]["debug"]["cases"]

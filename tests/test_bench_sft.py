@@ -26,7 +26,6 @@ pytest.importorskip("peft")
 
 from posttrain.benchmarks.sft import LOSS_RTOL, QUICK, SHAPES, TARGETS, steps_of  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 SIDES = ("ours", "baseline")
 # After one identical AdamW update both sides still agree closely (the docs quote 1.5e-7 on the
@@ -39,7 +38,7 @@ def doc(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "sft.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny shapes: threads only add contention
     proc = subprocess.run([sys.executable, "-m", "posttrain.benchmarks.sft", "--quick", "--steps", "1", "--reps", "1",
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                           "--out", str(out)], cwd=out.parent, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout)  # stdout is exactly one JSON document
     assert json.loads(out.read_text()) == printed

@@ -184,7 +184,7 @@ def _alive(p: psutil.Process) -> bool:
 
 def _env(prefect_home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "POSTTRAIN_"))}
-    env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(prefect_home), PYTHONUNBUFFERED="1")
+    env.update(PREFECT_HOME=str(prefect_home), PYTHONUNBUFFERED="1")
     return env
 
 
@@ -322,7 +322,7 @@ def mlflow_facts(workspace: Path, model_name: str, dst: Path) -> dict:
     script = "import json, sys; from test_chaos import _mlflow_facts; print(json.dumps(_mlflow_facts(*sys.argv[1:])))"
     out = subprocess.run([sys.executable, "-c", script, str(workspace), model_name, str(dst)],
                          capture_output=True, text=True, cwd=workspace,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ["PYTHONPATH"]])})
     assert out.returncode == 0, out.stderr[-3000:]
     facts = json.loads(out.stdout.strip().splitlines()[-1])
     facts["runs"] = [Run(**r) for r in facts["runs"]]

@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 def _env(**faults: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FAULT_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
-    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # as posttrain.stages.launch sets it when restarts are on
                **faults)
     return env

@@ -25,7 +25,6 @@ from posttrain.stages.launch.config import KubernetesOptions, LauncherConfig, Sl
 from probe_stage import MODULE as PROBE, ProbeConfig
 from posttrain.stages.launch import Launch, LaunchError, launch_nodes, launch_stage, render_kubernetes, render_sbatch
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _alive(pid: int) -> bool:
@@ -212,7 +211,7 @@ def test_killed_launcher_takes_its_workers_along(tmp_path):
         launch_stage(MODULE, ProbeConfig(output_dir={str(out)!r}, sleep_s=600),
                      LauncherConfig(nproc_per_node=1), workdir=Path({str(tmp_path / 'w')!r}))
     """)
-    flow = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    flow = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
     try:
         workers = _worker_pids(out, 1)
     finally:
@@ -231,7 +230,7 @@ def test_killed_torchrun_takes_its_ranks_along(tmp_path):
     spec.write_text(spec_text(ProbeConfig(output_dir=str(out), sleep_s=600)))
     cmd = [sys.executable, "-m", "posttrain.stages.launch", "torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
            "-m", PROBE, "--config", str(spec)]
-    torchrun = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    torchrun = subprocess.Popen(cmd, cwd=tmp_path, env=os.environ, start_new_session=True)
     try:
         workers = _worker_pids(out, 2)
     finally:
@@ -258,7 +257,7 @@ def test_a_relaunch_waits_for_the_leftovers_of_a_killed_launch(tmp_path, monkeyp
         launch_stage(MODULE, ProbeConfig(output_dir={str(out)!r}, sleep_s=600, ignore_sigterm=True),
                      LauncherConfig(nproc_per_node=1), workdir=Path({str(work)!r}))
     """)
-    flow = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    flow = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
     try:
         workers = _worker_pids(out, 1)
         with pytest.raises(LaunchError, match="another launch from .* is running"):

@@ -1,27 +1,34 @@
 """One namespace (issue 39): the project's folders install as posttrain.core, posttrain.kernels,
-posttrain.stages, posttrain.flows, posttrain.registry and posttrain.benchmarks, and nothing of ours
-is importable under a bare top-level name that another distribution may own (Hugging Face's
-`kernels` is one).
+posttrain.stages, posttrain.flows, posttrain.registry, posttrain.benchmarks, posttrain.configs and
+posttrain.infra (the last two for their package data), and nothing of ours is importable under a
+bare top-level name that another distribution may own (Hugging Face's `kernels` is one).
 
   * no file of the repository imports a bare project name (`import core`, `from flows.x import y`);
   * pyproject.toml's package list is exactly the folders that hold an __init__.py, each mapped to
     posttrain.<dotted folder>;
-  * in this environment `posttrain.core` is the repository's core/ and a bare `core` is found
-    nowhere off the repository root.
+  * in this environment `posttrain.core` is the repository's core/, the repository root is on no
+    import path (tests/conftest.py), and a bare `core` or `kernels` is found nowhere, here or in
+    the ranks of a launched stage;
+  * the wheel holds only posttrain.*, with the configs and launch templates the code reads.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.machinery
+import json
+import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
+
+import pytest
 
 from test_security import python_files  # every .py of the repository (tests/test_security.py's walk)
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("core", "kernels", "stages", "flows", "registry", "benchmarks")
+FOLDERS = ("core", "kernels", "stages", "flows", "registry", "benchmarks", "configs", "infra")
 
 
 def bare_imports(path: Path) -> list[str]:
@@ -61,18 +68,58 @@ def test_the_package_list_is_every_folder_with_an_init():
     assert "posttrain.kernels.jit" in folders and "posttrain.stages.launch" in folders
 
 
-def test_posttrain_names_resolve_to_the_folders_and_bare_names_to_nothing(monkeypatch):
+def _ours(spec) -> list[str]:
+    """Where a found module spec lies inside the repository's project folders."""
+    where = [] if spec is None else [spec.origin, *(spec.submodule_search_locations or [])]
+    return [w for w in where if w and any(Path(w).resolve().is_relative_to(ROOT / f) for f in FOLDERS)]
+
+
+def test_posttrain_names_resolve_to_the_folders_and_bare_names_to_nothing():
     import posttrain.core
     import posttrain.kernels
 
     assert Path(posttrain.core.__file__) == ROOT / "core" / "__init__.py"
     assert Path(posttrain.kernels.__file__) == ROOT / "kernels" / "__init__.py"
-    # Off the repository root, nothing on the path is one of our folders under its bare name
-    # (tests/kernels, a folder of tests, may be found; and Hugging Face's `kernels` where
-    # installed). On the root itself, as in this run (`python -m pytest` puts the working directory
-    # first), the folders are found by their bare names: a checkout's limit, docs/architecture.md.
-    elsewhere = [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != ROOT]
+    # The root is on no import path (tests/conftest.py takes it off), so no folder of ours is
+    # found by its bare name (tests/kernels, a folder of tests, may be; Hugging Face's `kernels`
+    # where installed).
+    assert [p for p in sys.path if Path(p or ".").resolve() == ROOT] == []
     for name in FOLDERS:
-        spec = importlib.machinery.PathFinder.find_spec(name, elsewhere)
-        where = [] if spec is None else [spec.origin, *(spec.submodule_search_locations or [])]
+        assert _ours(importlib.machinery.PathFinder.find_spec(name, sys.path)) == [], name
+
+
+@pytest.mark.slow
+def test_the_ranks_import_path_holds_no_folder_of_ours(tmp_path):
+    """What a rank of a launched stage sees: the launcher's environment (local_env), started in
+    another directory; `kernels` and `core` resolve to nothing of ours."""
+    from posttrain.stages.launch.commands import local_env
+    from posttrain.stages.launch.config import LauncherConfig
+
+    env = local_env(LauncherConfig(nproc_per_node=2), None)
+    assert [p for p in env.get("PYTHONPATH", "").split(":") if p and Path(p).resolve() == ROOT] == []
+    script = ("import importlib.util, json, sys; print(json.dumps({n: (s.origin, list(s.submodule_search_locations "
+              "or [])) if (s := importlib.util.find_spec(n)) else None for n in sys.argv[1:]}))")
+    out = subprocess.run([sys.executable, "-c", script, *FOLDERS, "posttrain.core"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, check=True)
+    found = json.loads(out.stdout)
+    assert found["posttrain.core"][0] == str(ROOT / "core" / "__init__.py")
+    for name in FOLDERS:
+        where = [] if found[name] is None else [found[name][0], *found[name][1]]
         assert not [w for w in where if w and Path(w).resolve().is_relative_to(ROOT / name)], (name, where)
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_posttrain_and_its_package_data(tmp_path):
+    """The wheel a user installs: only posttrain/ (and its .dist-info) at the top, every package of
+    pyproject's list, the configs and launch templates the code reads at run time."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, cwd=tmp_path)
+    wheel, = tmp_path.glob("posttrain-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"posttrain", wheel.name.split("-py3")[0] + ".dist-info"}
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert [p for p in packages if p.replace(".", "/") + "/__init__.py" not in names] == []
+    assert "posttrain/__init__.py" not in names  # a namespace package
+    for data in ("posttrain/configs/demo.yaml", "posttrain/configs/data/chat.jsonl",
+                 "posttrain/infra/slurm/stage.sbatch.j2", "posttrain/infra/kubernetes/pytorchjob.yaml.j2"):
+        assert data in names, data

@@ -19,7 +19,6 @@ import pytest
 from posttrain.core.tracking import Tracker, TrackingConfig
 from posttrain.core.tracking.recovery import HOST_TAG, PID_TAG, end_stale_runs, process_alive, process_tags
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -60,7 +59,7 @@ def test_runs_of_a_killed_flow_end_as_killed_on_the_next_run(tmp_path):
         print("ready", flush=True)
         time.sleep(600)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=os.environ,
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
@@ -128,7 +127,7 @@ def test_an_ephemeral_server_left_by_a_killed_flow_is_stopped(tmp_path):
         print(server.pid, reap_orphaned_servers(Path({str(records)!r})), flush=True)
         time.sleep(600)
     """)
-    flow = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    flow = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=os.environ,
                             stdout=subprocess.PIPE, text=True)
     try:
         pid, stopped = flow.stdout.readline().split(maxsplit=1)

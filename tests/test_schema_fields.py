@@ -84,12 +84,12 @@ def test_the_check_finds_an_unread_field():
 
 @pytest.mark.parametrize("module", SCHEMA_MODULES)
 @pytest.mark.slow
-def test_schema_modules_are_torch_free(module):
+def test_schema_modules_are_torch_free(module, tmp_path):
     """The flow process loads every schema; none may pull torch in."""
     import subprocess
     import sys
 
     code = f"import sys, {module}; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", f"importing {module} loads torch"

@@ -421,8 +421,7 @@ def start_serve_model(argv: list[str], cwd, env: dict | None = None, timeout: fl
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
-           **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "serve-model", *argv, "--port", str(port)], cwd=cwd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + timeout

@@ -394,7 +394,7 @@ def replicas(checkpoint, tmp_path_factory):
     """`posttrain serve-model CKPT --replicas 2` as a user starts it; stopped by SIGTERM."""
     (port,) = free_ports(1)
     logf = open(tmp_path_factory.mktemp("serve") / "serve.log", "w+")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "serve-model", str(checkpoint), "--replicas", "2",
                              "--port", str(port), "--served-model-name", "debug", "--max-queue", "32"],
                             env=env, stdout=logf, stderr=subprocess.STDOUT)

@@ -240,7 +240,7 @@ def test_a_rolling_update_under_load_fails_no_request(tmp_path):
     (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
     logf = open(tmp_path / "serve.log", "w+")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "serve-model", str(current), "--replicas", "2",
                              "--port", str(port), "--served-model-name", "debug", "--drain-timeout", "20"],
                             env=env, stdout=logf, stderr=subprocess.STDOUT)

@@ -23,7 +23,6 @@ import pytest
 
 from posttrain.core.generation import RequestParams
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "tp-key-1"
 
 
@@ -157,7 +156,7 @@ class TPServer:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w+")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "serve-model", str(checkpoint), *flags,
                                       "--port", str(self.port), "--served-model-name", "debug", "--max-num-seqs", "8",
                                       *(["--adapters", f"a={adapter}"] if adapter else [])],
@@ -361,7 +360,7 @@ def test_tp_composes_with_replicas(checkpoint, reference, tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "POSTTRAIN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "serve-model", str(checkpoint), "--tp", "2",
                              "--replicas", "2", "--port", str(port), "--served-model-name", "debug"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)

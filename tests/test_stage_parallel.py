@@ -44,7 +44,6 @@ from posttrain.core.config import to_json_file
 from posttrain.core.tracking import TrackingConfig
 from posttrain.stages.config import DataPrepConfig, DistillConfig, DPOConfig, EvalConfig, SFTConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-4  # fp32 on CPU: the layouts differ from one process by summation order (~1e-7 measured)
 ATOL = 1e-6
 ATOL_WEIGHTS = 1e-4  # after 4 AdamW steps at lr 1e-3 (~2e-6 measured)
@@ -293,8 +292,7 @@ def torchrun_batch(configs: dict[str, object], nproc: int, work: Path) -> dict[s
         runs.append((MODULES[type(cfg)], str(spec), str(metrics), str(done)))
     (work / "batch.json").write_text(json.dumps(runs))
     (work / "record_stage.py").write_text(RECORDER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1", "POSTTRAIN_TEST_KILL_AFTER_SAVE": "0"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "POSTTRAIN_TEST_KILL_AFTER_SAVE": "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(work / "record_stage.py"), "--batch", str(work / "batch.json")]
     proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1500)
@@ -350,8 +348,7 @@ def torchrun_stage(cfg, work: Path, nproc: int = 2, kill_after_save: int = 0) ->
     to_json_file(cfg, spec)
     script.write_text(RECORDER)
     metrics.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1", "POSTTRAIN_TEST_METRICS": str(metrics),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "POSTTRAIN_TEST_METRICS": str(metrics),
            "POSTTRAIN_TEST_KILL_AFTER_SAVE": str(kill_after_save)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
            MODULES[type(cfg)], "--config", str(spec)]

@@ -15,7 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _free_port() -> int:
@@ -114,8 +113,7 @@ def test_a_port_in_use_is_an_error_before_anything_starts(tmp_path):
         port = taken.getsockname()[1]
         out = subprocess.run([sys.executable, "-m", "posttrain.flows.cli", "ui", "--prefect-port", str(port),
                               "--mlflow-port", str(_free_port())], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT),
-                                               "PREFECT_HOME": str(tmp_path / "prefect")})
+                             timeout=120, env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")})
     assert out.returncode == 1, out
     assert f"127.0.0.1:{port} (for the Prefect server) is already in use" in out.stderr, out.stderr
     assert "--prefect-port" in out.stderr and "Traceback" not in out.stderr

@@ -217,7 +217,7 @@ def test_the_benchmark_reports_both_modes_against_the_floor(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "sync.json"
     proc = subprocess.run([sys.executable, "-m", "posttrain.flows.cli", "bench", "weight_sync", "--models", "debug", "--reps",
-                           "1", "--out", str(out)], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                           "1", "--out", str(out)], cwd=root, env=os.environ,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = json.loads(out.read_text())["models"]["debug"]

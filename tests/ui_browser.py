@@ -100,8 +100,7 @@ def child_env(prefect_port: int, mlflow_port: int, prefect_home: Path) -> dict[s
     """The environment `posttrain ui` prints to export: runs (and `serve`) point at its servers."""
     env = {**os.environ, "PREFECT_HOME": str(prefect_home),
            "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
-           "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+           "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}"}
     env.pop("PREFECT_PROFILE", None)
     return env
 

@@ -26,13 +26,13 @@ torchrun's own process: the flow process never imports it.
 """
 
 from posttrain.stages.launch.base import LaunchError, LaunchResult, Runner
-from posttrain.stages.launch.commands import INFRA, ROOT, rank_env, rdzv_id, stage_module, torchrun_command
+from posttrain.stages.launch.commands import INFRA, rank_env, rdzv_id, stage_module, torchrun_command
 from posttrain.stages.launch.job import Launch, launch_nodes, launch_stage
 from posttrain.stages.launch.kubernetes import SPEC_MOUNT, apply_kubernetes, render_kubernetes
 from posttrain.stages.launch.slurm import render_sbatch, slurm_job_state
 
 __all__ = [
-    "INFRA", "ROOT", "SPEC_MOUNT", "Launch", "LaunchError", "LaunchResult", "Runner", "apply_kubernetes",
+    "INFRA", "SPEC_MOUNT", "Launch", "LaunchError", "LaunchResult", "Runner", "apply_kubernetes",
     "launch_nodes", "launch_stage", "rank_env", "rdzv_id", "render_kubernetes", "render_sbatch", "slurm_job_state",
     "stage_module", "torchrun_command",
 ]

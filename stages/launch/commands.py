@@ -12,17 +12,19 @@ import shlex
 import sys
 from pathlib import Path
 
+import posttrain.infra
+
 from posttrain.stages.launch.config import LauncherConfig
 from posttrain.stages.launch.signals import LAUNCHER_PID_ENV
 
-ROOT = Path(__file__).resolve().parents[2]  # holds the `stages` package; on the ranks' PYTHONPATH
-INFRA = ROOT / "infra"
+# The Slurm and Kubernetes templates: infra/, installed as package data of posttrain.infra.
+INFRA = Path(posttrain.infra.__file__).resolve().parent
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def stage_module(module: str) -> str:
     """The module the ranks run: `posttrain.stages.<module>` for a stage name ("sft"), a dotted path as
-    given ("tests.probe_stage": a stage kept outside the product, importable from ROOT)."""
+    given ("tests.probe_stage": a stage kept outside the product, importable on the ranks' PYTHONPATH)."""
     return module if "." in module else f"posttrain.stages.{module}"
 
 
@@ -90,9 +92,10 @@ def rank_env(launcher: LauncherConfig, env: dict | None, base: dict | None = Non
 
 
 def local_env(launcher: LauncherConfig, env: dict | None) -> dict[str, str]:
-    """rank_env for a torchrun started here: this process's environment, ROOT first on PYTHONPATH."""
+    """rank_env for a torchrun started here: this process's environment. The ranks import
+    posttrain as installed; nothing is added to their PYTHONPATH (the repository root there would
+    let its `kernels/` folder shadow Hugging Face's `kernels`, which transformers imports)."""
     out = rank_env(launcher, env, dict(os.environ), cpus=node_cpus())
-    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), out.get("PYTHONPATH")) if p)
     out[LAUNCHER_PID_ENV] = str(os.getpid())  # for the wrapper's PR_SET_PDEATHSIG check
     return out
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from posttrain.stages.launch.config import LauncherConfig
 from posttrain.stages.launch.base import LaunchError
-from posttrain.stages.launch.commands import ROOT, rank_env, stage_label, stage_module, templates
+from posttrain.stages.launch.commands import rank_env, stage_label, stage_module, templates
 from posttrain.stages.launch.logstream import FileTail, LogSink
 
 _DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
@@ -26,7 +26,7 @@ def render_sbatch(module: str, spec_file: Path, launcher: LauncherConfig, *, wor
         module=module, stage_module=stage_module(module), job_name=f"posttrain-{stage_label(module)}",
         nnodes=launcher.nnodes, nproc=launcher.nproc_per_node, max_restarts=launcher.max_restarts,
         slurm=launcher.slurm, output=Path(workdir).resolve() / "slurm-%j.out", cwd=Path(cwd or Path.cwd()).resolve(),
-        spec_file=Path(spec_file).resolve(), python=python, pythonpath=str(ROOT),
+        spec_file=Path(spec_file).resolve(), python=python,
         env={k: v for k, v in rank_env(launcher, env).items() if k != "PYTHONUNBUFFERED"})
 
 
