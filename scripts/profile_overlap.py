@@ -25,12 +25,8 @@ import argparse
 import json
 import os
 import socket
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 COLLECTIVE_KEYS = ("all_gather", "allgather", "reduce_scatter", "reducescatter", "allreduce", "all_reduce")
 COMPUTE_NAMES = {"aten::mm", "aten::addmm", "aten::linear", "aten::bmm", "aten::matmul"}

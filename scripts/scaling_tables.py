@@ -18,13 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from posttrain.core.model.args import ModelArgs, get_preset  # noqa: E402
+from posttrain.core.model.args import ModelArgs, get_preset
 
 GB = 1e9
 GPUS = {"H100": dict(mem_gb=80.0), "H200": dict(mem_gb=141.0)}

@@ -23,27 +23,24 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script by torchrun
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from posttrain.core.checkpoint import CheckpointManager  # noqa: E402
+from posttrain.core.checkpoint import CheckpointManager
 from posttrain.core.optim import OptimConfig
-from posttrain.core.reliability.config import ReliabilityConfig  # noqa: E402
-from posttrain.core.data.sampler import BatchSampler, StatefulLoader  # noqa: E402
-from posttrain.core.loop import fit  # noqa: E402
-from posttrain.core.losses import chunked_cross_entropy, num_target_tokens  # noqa: E402
-from posttrain.core.model import build_model, get_preset  # noqa: E402
-from posttrain.core.reliability import Reliability  # noqa: E402
-from posttrain.core.reliability import all_reduce  # noqa: E402
-from posttrain.core.trainer import LossOutput, Trainer  # noqa: E402
+from posttrain.core.reliability.config import ReliabilityConfig
+from posttrain.core.data.sampler import BatchSampler, StatefulLoader
+from posttrain.core.loop import fit
+from posttrain.core.losses import chunked_cross_entropy, num_target_tokens
+from posttrain.core.model import build_model, get_preset
+from posttrain.core.reliability import Reliability
+from posttrain.core.reliability import all_reduce
+from posttrain.core.trainer import LossOutput, Trainer
 
 SEQ, BATCH, UNITS, VOCAB = 24, 2, 64, 512
 
