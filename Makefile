@@ -33,13 +33,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test,bench]"
-	@# Hugging Face's `kernels` distribution imports as `kernels`, posttrain's own package name:
-	@# transformers finds its metadata, imports ours and fails. Nothing here needs it.
-	$(PY) -m pip uninstall -y -q kernels 2>/dev/null || true
 	touch $@
 
+# Through the installed `posttrain` command, not `python -m` here: that would put the repository
+# root first on sys.path, where kernels/ shadows Hugging Face's `kernels` (docs/architecture.md).
 demo: setup
-	$(PY) -m posttrain.flows.cli demo
+	$(VENV)/bin/posttrain demo
 
 # Both tiers (docs/testing.md) through scripts/run_tests.py: two pytest processes (the Triton
 # kernels run under the interpreter, which must be chosen before triton is imported), then the 25
@@ -53,7 +52,7 @@ test-fast: setup
 	$(PY) scripts/run_tests.py --fast -- $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) -m posttrain.flows.cli bench all
+	$(VENV)/bin/posttrain bench all
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache test-artifacts
