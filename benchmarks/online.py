@@ -63,10 +63,10 @@ def spec(root: Path, shape: str, side: str, args) -> dict:
     return {"path": path, "out": Path(cfg.output_dir)}
 
 
-def run_side(root: Path, shape: str, side: str, args, env: dict) -> dict:
+def run_side(root: Path, shape: str, side: str, args) -> dict:
     s = spec(root, shape, side, args)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "posttrain.stages.dpo", "--config", str(s["path"])], env=env, cwd=root,
+    proc = subprocess.run([sys.executable, "-m", "posttrain.stages.dpo", "--config", str(s["path"])], cwd=root,
                           capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode:
@@ -98,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict = {"command": "python -m posttrain.benchmarks.online " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "cpus": os.cpu_count(), "prompts": args.prompts, "samples": args.samples,
                  "new_tokens": args.new_tokens, "workers": args.workers, "shapes": {}}
-    env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="online.") as tmp:
         root = Path(tmp)
         from posttrain.core.tracking import TrackingConfig
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare(DataPrepConfig(output_dir=str(root / "data"), synthetic_size=max(4 * args.prompts, 64),
                                tracking=TrackingConfig(enabled=False)))
         for shape in args.shapes:
-            sides = {side: run_side(root, shape, side, args, env) for side in SIDES}
+            sides = {side: run_side(root, shape, side, args) for side in SIDES}
             for side in SIDES:
                 sides[side]["speedup_vs_static"] = round(sides["static"]["wall_s"] / sides[side]["wall_s"], 3)
             pairs = [(root / f"{shape}-{s}" / "on_policy" / "train.jsonl").read_text()

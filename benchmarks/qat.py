@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -34,14 +33,13 @@ from pathlib import Path
 from posttrain.benchmarks import emit
 
 
-
-def stage(module: str, cfg, root: Path, env: dict) -> float:
+def stage(module: str, cfg, root: Path) -> float:
     from posttrain.core.config import to_json_file
 
     path = root / f"{Path(cfg.output_dir).name}.json"
     to_json_file(cfg, path)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", f"posttrain.stages.{module}", "--config", str(path)], env=env, cwd=root,
+    proc = subprocess.run([sys.executable, "-m", f"posttrain.stages.{module}", "--config", str(path)], cwd=root,
                           capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{cfg.output_dir} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -78,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     sft_steps, qat_steps, size = (30, 10, 200) if args.quick else (args.sft_steps, args.qat_steps, 2000)
     qat = QATConfig(weights=args.weights, group_size=args.group_size, activations=args.activations)
     off = TrackingConfig(enabled=False)
-    env = dict(os.environ)
     doc: dict = {"benchmark": "qat", "command": "python -m posttrain.benchmarks.qat " + " ".join(argv if argv is not None
                                                                                        else sys.argv[1:]),
                  "qat": qat.model_dump(), "sft_steps": sft_steps, "qat_steps": qat_steps, "synthetic_size": size}
@@ -88,10 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         data = {"sources": [str(root / "data")], "batch_tokens": 768, "max_seq_len": 64}
         common = dict(tracking=off, data=data, eval_interval=0, epochs=100, checkpoint={"interval_steps": 0})
         seconds = {"a": stage("sft", SFTConfig(output_dir=str(root / "a"), model="debug", max_steps=sft_steps,
-                                               optim={"lr": 3e-3, "warmup_steps": 20}, **common), root, env)}
+                                               optim={"lr": 3e-3, "warmup_steps": 20}, **common), root)}
         more = dict(model=str(root / "a"), max_steps=qat_steps, optim={"lr": 5e-4, "warmup_steps": 0}, **common)
-        seconds["a_more"] = stage("sft", SFTConfig(output_dir=str(root / "a_more"), **more), root, env)
-        seconds["c"] = stage("sft", SFTConfig(output_dir=str(root / "c"), qat=qat, **more), root, env)
+        seconds["a_more"] = stage("sft", SFTConfig(output_dir=str(root / "a_more"), **more), root)
+        seconds["c"] = stage("sft", SFTConfig(output_dir=str(root / "c"), qat=qat, **more), root)
         ptq(root / "a" / "model", root / "b", qat)
         ptq(root / "a_more" / "model", root / "b_more", qat)
         models = {"a": root / "a", "b": root / "b", "a_more": root / "a_more", "b_more": root / "b_more",
@@ -99,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         ev = EvalConfig(output_dir=str(root / "eval"), models=[str(m) for m in models.values()], tracking=off,
                         data={"sources": [str(root / "data")]}, metrics=["exact_match", "perplexity"],
                         max_new_tokens=16)
-        stage("evaluate", ev, root, env)
+        stage("evaluate", ev, root)
         manifest = json.loads((root / "eval" / "manifest.json").read_text())
         from posttrain.stages.evaluation.plan import model_names
 

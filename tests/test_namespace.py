@@ -66,10 +66,9 @@ def test_the_package_list_is_every_folder_with_an_init():
     assert "posttrain.kernels.jit" in folders and "posttrain.stages.launch" in folders
 
 
-def _ours(spec) -> list[str]:
-    """Where a found module spec lies inside the repository's project folders."""
-    where = [] if spec is None else [spec.origin, *(spec.submodule_search_locations or [])]
-    return [w for w in where if w and any(Path(w).resolve().is_relative_to(ROOT / f) for f in FOLDERS)]
+def _ours(origin: str | None, locations: list[str]) -> list[str]:
+    """Those of a found module's origin and search locations that lie in the repository's folders."""
+    return [w for w in (origin, *locations) if w and any(Path(w).resolve().is_relative_to(ROOT / f) for f in FOLDERS)]
 
 
 def test_posttrain_names_resolve_to_the_folders_and_bare_names_to_nothing():
@@ -83,7 +82,8 @@ def test_posttrain_names_resolve_to_the_folders_and_bare_names_to_nothing():
     # where installed).
     assert [p for p in sys.path if Path(p or ".").resolve() == ROOT] == []
     for name in FOLDERS:
-        assert _ours(importlib.machinery.PathFinder.find_spec(name, sys.path)) == [], name
+        spec = importlib.machinery.PathFinder.find_spec(name, sys.path)
+        assert spec is None or _ours(spec.origin, spec.submodule_search_locations or []) == [], name
 
 
 def test_transformers_imports_beside_us_with_hugging_faces_kernels():
@@ -111,5 +111,4 @@ def test_the_ranks_import_path_holds_no_folder_of_ours(tmp_path):
     found = json.loads(out.stdout)
     assert found["posttrain.core"][0] == str(ROOT / "core" / "__init__.py")
     for name in FOLDERS:
-        where = [] if found[name] is None else [found[name][0], *found[name][1]]
-        assert not [w for w in where if w and Path(w).resolve().is_relative_to(ROOT / name)], (name, where)
+        assert found[name] is None or _ours(*found[name]) == [], (name, found[name])
