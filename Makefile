@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP) chromium
 
-# Debian's Chromium for tests/test_ui_browser.py (Playwright drives it headless). Installed with
+# Debian's Chromium for tests/flows/test_ui_browser.py (Playwright drives it headless). Installed with
 # apt-get where it is missing and this is root with apt-get; elsewhere a note, not a failure: that
 # test then skips and says why (as infra/slurm/local-cluster.sh does for Slurm).
 chromium:
@@ -25,7 +25,7 @@ chromium:
 	  apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
 	else \
 	  echo "setup: chromium is missing and cannot be installed here (need root and apt-get);" \
-	       "tests/test_ui_browser.py will skip"; \
+	       "tests/flows/test_ui_browser.py will skip"; \
 	fi
 
 $(STAMP): pyproject.toml Makefile

@@ -7,7 +7,7 @@ the real quantized weights (integer codes and scales) for export.
 The numerics are torchao's (`torchao.quantization.qat.IntxFakeQuantizer`: its quantization
 parameters, rounding, clamping and straight-through gradient; `quantize_affine` for the codes), so
 a model trained here and a model trained with torchao's own `QATConfig` see the same values
-(tests/test_qat.py checks a layer against torchao's FakeQuantizedLinear bit for bit). What is
+(tests/core/test_qat.py checks a layer against torchao's FakeQuantizedLinear bit for bit). What is
 written here is where the fake quantizer applies, because torchao's `quantize_` swaps plain
 `nn.Linear` modules and cannot see a LoRA update:
 

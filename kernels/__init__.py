@@ -3,7 +3,7 @@
 mode "torch" forces the torch paths, see kernels/dispatch.py).
 
 A leaf package: it imports torch, the standard library and Triton, never core, stages, flows or
-registry (core calls kernels, never the reverse; tests/test_import_rules_kernels.py checks it).
+registry (core calls kernels, never the reverse; tests/kernels/test_import_rules_kernels.py checks it).
 Triton itself is imported only by the device code in kernels/jit/, on a kernel's first launch,
 so everything here imports and runs its torch paths where Triton is not installed."""
 

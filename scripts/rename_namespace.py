@@ -19,7 +19,7 @@ It prints every rewritten name outside import statements with its count, for rev
 What it cannot see: `import kernels` bound the name `kernels`; `import posttrain.kernels` binds
 `posttrain`. A later `kernels.f(...)` (an attribute of the top package itself, not a module) is
 left as it was and fails with a NameError; pyflakes finds these in files (there were none), and one
-was in a script held in a string (tests/test_without_triton.py), fixed by hand.
+was in a script held in a string (tests/kernels/test_without_triton.py), fixed by hand.
 """
 
 from __future__ import annotations

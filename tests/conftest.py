@@ -7,12 +7,12 @@ reaches a test. A test that needs a server of its own sets these itself.
 The repository root is on no process's import path: its `kernels/` folder (installed as
 posttrain.kernels) would shadow Hugging Face's `kernels`, which transformers imports. The tests
 import one another as `tests.<module>` (and the ranks of a launched stage import test stages such
-as `tests.probe_stage`) through a directory of this session that holds only a `tests` link to
+as `tests.support.probe_stage`) through a directory of this session that holds only a `tests` link to
 tests/; it is first on sys.path here and, with tests/ itself, on PYTHONPATH for every process a
 test starts. PYTHONSAFEPATH=1 keeps those processes from putting their working directory (the
 root, unless a test chose another) or their script's directory first on sys.path.
 
-The tiers (docs/testing.md): tests/tier_guard.py fails a test without the `slow` mark that starts
+The tiers (docs/testing.md): tests/support/tier_guard.py fails a test without the `slow` mark that starts
 a process or listens on a socket."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(IMPORTS), str(ROOT / "tests"), *
     p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and _not_root(p))])
 os.environ["PYTHONSAFEPATH"] = "1"
 
-from tests.tier_guard import _fast_tier_starts_no_process, pytest_runtest_makereport  # noqa: F401
+from tests.support.tier_guard import _fast_tier_starts_no_process, pytest_runtest_makereport  # noqa: F401
 
 _HOME = tempfile.mkdtemp(prefix="posttrain-tests-prefect-")
 os.environ["PREFECT_HOME"] = _HOME

@@ -121,7 +121,7 @@ def test_trust_remote_code_is_never_used():
 
 
 def test_chat_templates_run_sandboxed():
-    from data_fixtures import make_tokenizer
+    from tests.support.data_fixtures import make_tokenizer
 
     from posttrain.registry.tokenizer import ChatTemplateError
 
@@ -224,7 +224,7 @@ SECRETS = {"hf": "hf_SECRETtoken123", "aws": "AKIAsecretvalue", "pw": "hunter2pw
 def _secret_config():
     from posttrain.core.config import load_config
     from posttrain.flows.config import PipelineConfig
-    from tests.pipelines import DEMO_CONFIG
+    from tests.support.pipelines import DEMO_CONFIG
 
     return load_config(PipelineConfig, DEMO_CONFIG, overrides=[
         f"launcher.env.HF_TOKEN={SECRETS['hf']}", f"launcher.env.AWS_SECRET_ACCESS_KEY={SECRETS['aws']}",
@@ -313,7 +313,7 @@ def test_mlflow_artifact_paths_stay_in_the_run(bad):
 def test_config_paths_and_names_stay_in_the_workspace():
     from posttrain.core.config import ConfigError, load_config
     from posttrain.flows.config import PipelineConfig
-    from tests.pipelines import DEMO_CONFIG
+    from tests.support.pipelines import DEMO_CONFIG
 
     for item in ["name=../x", "name=a/b", "workspace=runs/../..", "nodes.teacher.output_dir=../../x",
                  "nodes.dpo.output_dir=/etc", "nodes.evaluate.output_dir=a/../../../x",
@@ -345,7 +345,7 @@ def test_slurm_script_cannot_be_injected():
     from posttrain.stages.launch.config import LauncherConfig
     from posttrain.stages.launch import render_sbatch
 
-    from tests.pipelines import DEMO_CONFIG
+    from tests.support.pipelines import DEMO_CONFIG
 
     for item in [r'launcher.slurm.partition="gpu\nrm -rf ~"', r'launcher.slurm.extra_args=["--qos=high\ncurl x|sh"]',
                  r'launcher.slurm.account="a\rb"', 'launcher.env={"A=1; curl x|sh; B": "1"}',

@@ -1,4 +1,4 @@
-"""The fast tier's guard (tests/tier_guard.py) catches each way a test can start a process or a
+"""The fast tier's guard (tests/support/tier_guard.py) catches each way a test can start a process or a
 server, also when the code under test swallows the error, and lets the slow tier and the standard
 library's `platform` probe through. Run on a small inner suite with pytester, in this process (so
 nothing is started here either: each start is refused by the inner guard before it happens)."""
@@ -41,7 +41,7 @@ def test_plain():
 
 @pytest.mark.slow
 def test_marked_slow():
-    from tests import tier_guard
+    from tests.support import tier_guard
     assert subprocess.Popen._execute_child is tier_guard.OUTER_FOR_TEST  # no guard of the inner run's
 '''
 
@@ -49,12 +49,12 @@ def test_marked_slow():
 def test_the_guard_fails_each_start_and_passes_the_rest(pytester, monkeypatch):
     import subprocess
 
-    from tests import tier_guard
+    from tests.support import tier_guard
 
     # this process's own Popen._execute_child (its guard, this test being fast), for the inner
     # slow test to find unwrapped by the inner guard
     monkeypatch.setattr(tier_guard, "OUTER_FOR_TEST", subprocess.Popen._execute_child, raising=False)
-    pytester.makeconftest("from tests.tier_guard import _fast_tier_starts_no_process, pytest_runtest_makereport\n")
+    pytester.makeconftest("from tests.support.tier_guard import _fast_tier_starts_no_process, pytest_runtest_makereport\n")
     pytester.makeini("[pytest]\nmarkers =\n    slow: slow\n")
     pytester.makepyfile(test_inner=INNER)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:randomly")

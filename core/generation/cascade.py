@@ -16,7 +16,7 @@ of flash-decoding):
 each giving unnormalised outputs o_i = sum_j exp(s_ij - m_i) v_j with their row maxima m_i and
 sums l_i = sum_j exp(s_ij - m_i), merged exactly: o = (o_1 e^{m_1 - M} + o_2 e^{m_2 - M}) /
 (l_1 e^{m_1 - M} + l_2 e^{m_2 - M}), M = max(m_1, m_2). Both parts compute in fp32; the result
-equals softmax attention over all keys up to rounding (tests/test_generation_cascade.py: against
+equals softmax attention over all keys up to rounding (tests/core/test_generation_cascade.py: against
 dense fp32 attention per sequence, with GQA, sliding windows and mixed families).
 
 Only decode queries take this path (one query per sequence, at its newest position, so every

@@ -140,7 +140,7 @@ class _Stage(PipelineStage):
     its shapes, `_stage_metas`, so no such pass ran), and the eval step ends with FSDP's
     post-backward and the gradient scaling, as if it had run a backward. Seen as a gradient norm
     0.72x one process's under PP x FSDP (and PP x CP, FSDP over the cp ranks) with 2 accumulated
-    micro-batches (tests/parallel/test_pipeline_parallel.py)."""
+    micro-batches (tests/core/parallel/test_pipeline_parallel.py)."""
 
     def _post_metadata_inference_cleanup(self) -> None:
         if self._inference_mode == InferenceMode.DYNAMIC:

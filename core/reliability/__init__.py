@@ -28,10 +28,10 @@ What else survives what, and where it is handled:
 - The flow process or torchrun killed outright: torchrun dies with the flow's launching thread and
   each rank with its torchrun (PR_SET_PDEATHSIG; a training rank checkpoints on the SIGTERM), the
   next launch of the stage waits for any leftovers, and the rerun resumes from the checkpoint; the
-  rerun's flow ends the killed runs' MLflow runs as KILLED (flows/recovery.py). tests/test_chaos.py
+  rerun's flow ends the killed runs' MLflow runs as KILLED (flows/recovery.py). tests/flows/test_chaos.py
   kills ranks, launchers and the flow at random and checks the outputs are an uninterrupted run's.
 - MLflow down: posttrain.core.tracking buffers and retries in the background; training never waits on it.
-- Prefect's API down: stages never talk to Prefect (only flows/ do; tests/test_reliability.py
+- Prefect's API down: stages never talk to Prefect (only flows/ do; tests/core/test_reliability.py
   checks no stage or core module imports it), so a running stage is unaffected; the flow's own
   client retries, and a re-run flow skips finished stages (cache) and resumes the others.
 

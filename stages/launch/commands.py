@@ -24,7 +24,7 @@ _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 def stage_module(module: str) -> str:
     """The module the ranks run: `posttrain.stages.<module>` for a stage name ("sft"), a dotted path as
-    given ("tests.probe_stage": a stage kept outside the product, importable on the ranks' PYTHONPATH)."""
+    given ("tests.support.probe_stage": a stage kept outside the product, importable on the ranks' PYTHONPATH)."""
     return module if "." in module else f"posttrain.stages.{module}"
 
 
