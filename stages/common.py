@@ -108,9 +108,27 @@ def close_distributed() -> None:
 # Models and tokenizers from presets, HF directories or upstream stage outputs
 
 
+def local_model_path(name_or_path: str) -> str:
+    """A model reference as a local path where it names a file to import: a packaged model's name
+    (registry/packaged.py) and a `.gguf` file both become the HF directory the file is imported
+    into (once, registry/gguf.py); anything else is returned as it is."""
+    from posttrain.registry.packaged import PackageMissing, is_packaged, packaged_file
+
+    ref = str(name_or_path)
+    if not is_packaged(ref) and not (ref.lower().endswith(".gguf") and Path(ref).is_file()):
+        return ref
+    from posttrain.registry.gguf import GGUFError, gguf_model_dir
+
+    try:
+        return str(gguf_model_dir(packaged_file(ref) if is_packaged(ref) else ref))
+    except (PackageMissing, GGUFError) as e:
+        raise StageError(f"model {ref!r}: {e}") from None
+
+
 def resolve_model_dir(name_or_path: str) -> tuple[Path | None, dict | None]:
-    """(HF model directory, upstream manifest) for a path; (None, None) for a preset name."""
-    p = Path(name_or_path)
+    """(HF model directory, upstream manifest) for a path; (None, None) for a preset name. A
+    packaged model's name or a `.gguf` file resolves to the directory it is imported into."""
+    p = Path(local_model_path(name_or_path))
     if is_stage_dir(p):
         manifest = read_manifest(p)
         model_rel = manifest["outputs"].get("model")
@@ -240,7 +258,7 @@ def find_tokenizer_dir(*candidates: str | Path | None) -> Path:
     for c in candidates:
         if c is None:
             continue
-        p = Path(c)
+        p = Path(local_model_path(c))
         if is_stage_dir(p):
             outputs = read_manifest(p)["outputs"]
             for key in ("tokenizer", "model"):

@@ -76,7 +76,8 @@ class DataPrepConfig(StageConfig):
     synthetic_size: int = Field(2000, ge=0, description="Examples in the verifiable synthetic suite.")
     synthetic_seed: int = Field(0, ge=0, lt=2**63, description="Seed of the synthetic suite.")
     synthetic_tasks: list[str] | None = Field(None, description="Synthetic tasks; None = all.")
-    tokenizer: str | None = Field(None, description="HF tokenizer dir; None = train a small BPE one.")
+    tokenizer: str | None = Field(None, description="HF tokenizer or model dir, .gguf file or packaged model "
+                                                    "(smollm2-135m-instruct); None = train a small BPE one.")
     chat_template: str | None = Field(
         None, description="Template name, Jinja file or text the rows are rendered with; None = the tokenizer's.")
     vocab_size: int = Field(512, ge=32, description="Vocabulary of the trained tokenizer.")

@@ -87,11 +87,12 @@ def _task(example: Example) -> str:
 
 
 def _tokenizer(cfg: DataPrepConfig, out: Path, suite: list) -> Any:
-    """The tokenizer given (copied beside the data), or a BPE trained on every example's text."""
-    from posttrain.registry.tokenizer import Tokenizer
+    """The tokenizer given (a tokenizer or model directory, a stage output, a .gguf file or a
+    packaged model; copied beside the data), or a BPE trained on every example's text."""
+    from posttrain.stages.common import load_tokenizer
 
     if cfg.tokenizer:
-        tok = Tokenizer.from_pretrained(cfg.tokenizer)
+        tok = load_tokenizer(cfg.tokenizer)
         tok.save_pretrained(out / "tokenizer")
         return tok
     texts: list[str] = []

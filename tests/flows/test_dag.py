@@ -53,6 +53,15 @@ def test_unknown_reference_names_node_and_key(tmp_path):
     assert "nodes.kd.teacher: 'techer' is not a node (prep, sft, kd)" in msg
 
 
+def test_a_packaged_model_or_a_gguf_file_is_a_model_and_a_typo_names_them(tmp_path):
+    (tmp_path / "mine.gguf").write_bytes(b"GGUF")  # read only when the node runs
+    for model in ("smollm2-135m-instruct", str(tmp_path / "mine.gguf")):
+        dag = PipelineDAG(cfg_of({**BASE, "sft": {**BASE["sft"], "model": model}}, tmp_path))
+        assert dag.nodes["sft"].edges[0].src == "prep" and not dag.nodes["sft"].external
+    msg = error_of({**BASE, "sft": {**BASE["sft"], "model": "smollm2-135m-instruc"}}, tmp_path)
+    assert "a packaged model (smollm2-135m-instruct) or an existing path (an HF directory or a .gguf file)" in msg
+
+
 def test_cycle_is_named(tmp_path):
     msg = error_of({"prep": BASE["prep"], "a": {"kind": "sft", "model": "b", "data": "prep"},
                     "b": {"kind": "sft", "model": "a", "data": "prep"}}, tmp_path)
