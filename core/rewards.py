@@ -5,6 +5,9 @@ prompt came from, so a verifier can read any column (a reference answer, unit te
 
     exact_match        1.0 when the completion equals row[reference_column], whitespace-normalized
     normalized_match   the same after lower-casing and dropping punctuation and articles (SQuAD-style)
+    unit_tests         1.0 when row['prompt'] + completion, then row['test'] and
+                       check(row['entry_point']) (HumanEval's layout), run clean in the sandbox
+                       (core/sandbox.py: no network, no files of the host, time/memory/output caps)
     module:function    any importable function with the signature above
 
     reward = load_verifier("my_pkg.rewards:has_citation", reference_column="answer")
@@ -21,7 +24,10 @@ from typing import Any, Callable
 
 Verifier = Callable[[str, str, dict], float]
 
-BUILTIN = ("exact_match", "normalized_match")
+BUILTIN = ("exact_match", "normalized_match")  # compare with row[reference_column]
+EXECUTED = ("unit_tests",)  # run the completion against the row's tests
+VERIFIERS = BUILTIN + EXECUTED
+UNIT_TEST_FIELDS = ("prompt", "test", "entry_point")
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
@@ -48,9 +54,37 @@ class VerifierError(ValueError):
     """A verifier that cannot be loaded, or that returned something that is not a number."""
 
 
-def load_verifier(spec: str, reference_column: str = "answer") -> Verifier:
+def unit_tests(allow_unsafe_exec: bool = False, timeout_s: float = 10.0) -> Verifier:
+    """The `unit_tests` verifier: HumanEval's check program of the row and the completion, run in
+    the sandbox; 1.0 when it exits cleanly. Where the sandbox cannot isolate (not root), loading
+    it fails unless `allow_unsafe_exec`."""
+    from posttrain.core.sandbox import Limits, SandboxUnavailable, isolation_problem, program_of, run_python
+
+    if isolation_problem() is not None and not allow_unsafe_exec:
+        raise VerifierError(f"unit_tests: cannot isolate generated code: {isolation_problem()}. Run as root, or "
+                            "set allow_unsafe_exec: true to run it with resource limits only")
+    limits = Limits(timeout_s=timeout_s, cpu_s=max(1, int(timeout_s)))
+
+    def verify(prompt: str, completion: str, row: dict) -> float:
+        missing = [f for f in UNIT_TEST_FIELDS if row.get(f) is None]
+        if missing:
+            raise VerifierError(f"unit_tests: the row has no {', '.join(map(repr, missing))} field "
+                                f"(HumanEval's layout: {', '.join(UNIT_TEST_FIELDS)})")
+        try:
+            return float(run_python(program_of(row, completion), limits, allow_unsafe_exec=allow_unsafe_exec).passed)
+        except SandboxUnavailable as e:
+            raise VerifierError(f"unit_tests: {e}") from None
+
+    verify.__name__ = "unit_tests"
+    return verify
+
+
+def load_verifier(spec: str, reference_column: str = "answer", allow_unsafe_exec: bool = False) -> Verifier:
     """The verifier named by `spec`: a built-in name or 'module:function'. Built-ins read the
-    reference from `row[reference_column]` (a row without it is a VerifierError naming the column)."""
+    reference from `row[reference_column]` (a row without it is a VerifierError naming the column);
+    `unit_tests` runs code, in the sandbox unless `allow_unsafe_exec` where it cannot isolate."""
+    if spec in EXECUTED:
+        return unit_tests(allow_unsafe_exec)
     if spec in BUILTIN:
         compare = exact_match if spec == "exact_match" else normalized_match
 
@@ -63,7 +97,7 @@ def load_verifier(spec: str, reference_column: str = "answer") -> Verifier:
         return builtin
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
-        raise VerifierError(f"verifier {spec!r}: give one of {', '.join(BUILTIN)} or 'module:function'")
+        raise VerifierError(f"verifier {spec!r}: give one of {', '.join(VERIFIERS)} or 'module:function'")
     try:
         fn = getattr(importlib.import_module(module), name)
     except ImportError as e:

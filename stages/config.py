@@ -393,8 +393,12 @@ class DPOConfig(TrainStageConfig):
                                                                          "(on-policy only; prefetch 0).")
     reward: str = Field(
         "exact_match", description="On-policy reward of a completion against the row's reference: 'exact_match', "
-                                   "'normalized_match', or a verifier 'module:function(prompt, completion, row) -> float'.")
+                                   "'normalized_match', 'unit_tests' (HumanEval's layout, run in the "
+                                   "sandbox), or a verifier 'module:function(prompt, completion, row) -> float'.")
     reference_column: str = Field("answer", description="On-policy: the row field the reward compares against.")
+    allow_unsafe_exec: bool = Field(
+        False, description="unit_tests: where generated code cannot be isolated (not root), run it anyway with "
+                           "resource limits only (no network or file isolation).")
     judge: ModelConfig | None = Field(
         None, description="On-policy: score completions by this model's mean log-likelihood instead of `reward`.")
 
@@ -501,8 +505,12 @@ class GRPOConfig(TrainStageConfig):
     top_k: int = Field(0, ge=0, description="Sample from the k most likely tokens; 0 = all.")
     reward: str = Field(
         "exact_match", description="Reward of a completion against the row's reference: 'exact_match', "
-                                   "'normalized_match', or a verifier 'module:function(prompt, completion, row) -> float'.")
+                                   "'normalized_match', 'unit_tests' (HumanEval's layout, run in the "
+                                   "sandbox), or a verifier 'module:function(prompt, completion, row) -> float'.")
     reference_column: str = Field("answer", description="The row field the reward compares against.")
+    allow_unsafe_exec: bool = Field(
+        False, description="unit_tests: where generated code cannot be isolated (not root), run it anyway with "
+                           "resource limits only (no network or file isolation).")
     judge: ModelConfig | None = Field(
         None, description="Score completions by this model's mean log-likelihood instead of `reward`.")
     epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the policy ratio (1 - epsilon).")
@@ -591,9 +599,13 @@ class EvalConfig(StageConfig):
                           "give (no reference column, no pairs, no completions) is an error before models load.")
     reference_column: str = Field("answer", description="Row field generations are checked against.")
     verifier: str | None = Field(
-        None, description="'exact_match', 'normalized_match' or 'module:function(prompt, completion, row) -> "
-                          "float': metric `reward` (mean score); it also scores samples for pass@k and win rates.")
+        None, description="'exact_match', 'normalized_match', 'unit_tests' (HumanEval's layout, run in the sandbox) "
+                          "or 'module:function(prompt, completion, row) -> float': metric `reward` (mean score); it "
+                          "also scores samples for pass@k and win rates.")
     pass_k: list[int] = Field([1], description="k of pass@k (unbiased estimator over num_samples samples).")
+    allow_unsafe_exec: bool = Field(
+        False, description="unit_tests: where generated code cannot be isolated (not root), run it anyway with "
+                           "resource limits only (no network or file isolation).")
     judge: str | None = Field(
         None, description="Model judging win rates by its log-likelihood of each completion; None = the verifier "
                           "(or exact match).")
@@ -636,10 +648,10 @@ class EvalConfig(StageConfig):
         if asked is not None and not asked:
             raise ValueError("metrics: [] computes nothing; list metrics or leave it unset (all the data allows)")
         if self.verifier is not None:
-            from posttrain.core.rewards import BUILTIN
+            from posttrain.core.rewards import VERIFIERS
 
-            if self.verifier not in BUILTIN and ":" not in self.verifier.strip(":"):
-                raise ValueError(f"verifier={self.verifier!r}: give {' or '.join(BUILTIN)}, or 'module:function'")
+            if self.verifier not in VERIFIERS and ":" not in self.verifier.strip(":"):
+                raise ValueError(f"verifier={self.verifier!r}: give {' or '.join(VERIFIERS)}, or 'module:function'")
         if asked is not None and "reward" in asked and self.verifier is None:
             raise ValueError("metrics: reward is the mean score of `verifier`; set verifier "
                              "('module:function' or a built-in)")

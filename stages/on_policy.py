@@ -104,7 +104,7 @@ class Reward:
             self.name = f"judge {cfg.judge.name_or_path!r}"
             return
         try:
-            self.verifier = load_verifier(cfg.reward, cfg.reference_column)
+            self.verifier = load_verifier(cfg.reward, cfg.reference_column, cfg.allow_unsafe_exec)
         except VerifierError as e:
             raise StageError(f"{stage}: reward: {e}") from None
         self.name = f"verifier {cfg.reward!r}"

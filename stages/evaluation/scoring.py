@@ -165,7 +165,7 @@ class Scorer:
         self.verifier = None
         if cfg.verifier is not None:
             try:
-                self.verifier = load_verifier(cfg.verifier, cfg.reference_column)
+                self.verifier = load_verifier(cfg.verifier, cfg.reference_column, cfg.allow_unsafe_exec)
             except VerifierError as e:
                 raise fail(str(e)) from None
 
