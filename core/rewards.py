@@ -5,7 +5,7 @@ prompt came from, so a verifier can read any column (a reference answer, unit te
 
     exact_match        1.0 when the completion equals row[reference_column], whitespace-normalized
     normalized_match   the same after lower-casing and dropping punctuation and articles (SQuAD-style)
-    unit_tests         1.0 when row['prompt'] + completion, then row['test'] and
+    unit_tests         1.0 when the prompt + completion, then row['test'] and
                        check(row['entry_point']) (HumanEval's layout), run clean in the sandbox
                        (core/sandbox.py: no network, no files of the host, time/memory/output caps)
     module:function    any importable function with the signature above
@@ -66,10 +66,13 @@ def unit_tests(allow_unsafe_exec: bool = False, timeout_s: float = 10.0) -> Veri
     limits = Limits(timeout_s=timeout_s, cpu_s=max(1, int(timeout_s)))
 
     def verify(prompt: str, completion: str, row: dict) -> float:
-        missing = [f for f in UNIT_TEST_FIELDS if row.get(f) is None]
+        missing = [f for f in UNIT_TEST_FIELDS[1:] if row.get(f) is None]
         if missing:
             raise VerifierError(f"unit_tests: the row has no {', '.join(map(repr, missing))} field "
                                 f"(HumanEval's layout: {', '.join(UNIT_TEST_FIELDS)})")
+        # the code the completion continues: the row's `prompt` column (a stage passes the row's
+        # other columns as `row`, its prompt as `prompt`)
+        row = {**row, "prompt": row["prompt"] if row.get("prompt") is not None else prompt}
         try:
             return float(run_python(program_of(row, completion), limits, allow_unsafe_exec=allow_unsafe_exec).passed)
         except SandboxUnavailable as e:

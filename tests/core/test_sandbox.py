@@ -178,6 +178,8 @@ def test_the_unit_tests_verifier_scores_humaneval_completions():
     assert verify(problem["prompt"], problem["canonical_solution"], problem) == 1.0
     assert verify(problem["prompt"], "    return True\n", problem) == 0.0
     assert verify(problem["prompt"], "    import os; os.system('touch /tmp/pwned'); return True\n", problem) == 0.0
+    fields = {k: problem[k] for k in ("test", "entry_point")}  # a stage's row: the prompt apart
+    assert verify(problem["prompt"], problem["canonical_solution"], fields) == 1.0
     with pytest.raises(VerifierError, match="no 'test', 'entry_point' field"):
         verify("p", "c", {"prompt": "def f(): pass\n"})
 
