@@ -21,7 +21,7 @@ from posttrain.registry.gguf import GGUFError, dequantize, gguf_model_dir, impor
 from posttrain.registry.hf import load_pretrained  # noqa: E402
 from posttrain.registry.packaged import PACKAGED, PackageMissing, packaged_file  # noqa: E402
 from posttrain.registry.tokenizer import Tokenizer  # noqa: E402
-from tests.support.gguf_files import K_QUANTS, write_tiny_gguf, varied_strings  # noqa: E402
+from tests.support.gguf_files import varied_strings, write_tiny_gguf  # noqa: E402
 
 EXACT = ["F32", "F16", "BF16"]
 QUANTIZED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
@@ -332,7 +332,7 @@ def requantized(src, qtype: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
 def test_export_reads_back_in_gguf_and_transformers_as_the_exported_weights(tmp_path, qtype):
-    from posttrain.registry.gguf import export_gguf
+    from posttrain.registry.gguf_export import export_gguf
 
     src, _ = write_tiny_gguf(tmp_path / "src.gguf", qtype="F32")
     hf = import_gguf(src, tmp_path / "hf")
@@ -358,7 +358,7 @@ def test_a_trained_preset_model_exports_with_its_padded_vocabulary(tmp_path):
     SmolLM's) and an embedding with more rows than tokens, which become llama.cpp's [PADn]."""
     from posttrain.core.model import build_model, get_preset
     from posttrain.core.tracking import TrackingConfig
-    from posttrain.registry.gguf import export_gguf
+    from posttrain.registry.gguf_export import export_gguf
     from posttrain.registry.hf import save_pretrained
     from posttrain.stages.config import DataPrepConfig
     from posttrain.stages.data_prep import prepare
@@ -383,7 +383,7 @@ def test_a_trained_preset_model_exports_with_its_padded_vocabulary(tmp_path):
 
 
 def test_export_refuses_what_llama_cpp_would_misread(tmp_path):
-    from posttrain.registry.gguf import export_gguf
+    from posttrain.registry.gguf_export import export_gguf
 
     src, _ = write_tiny_gguf(tmp_path / "s.gguf", tokenizer="llama", layers=1)
     hf = import_gguf(src, tmp_path / "hf")
@@ -396,7 +396,7 @@ def test_export_refuses_what_llama_cpp_would_misread(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_exported_as_q8_0_reads_back_in_transformers(real, tmp_path):
-    from posttrain.registry.gguf import export_gguf
+    from posttrain.registry.gguf_export import export_gguf
 
     out, _, ref_tok = real
     exported = export_gguf(out, tmp_path / "smollm2.Q8_0.gguf", "Q8_0")
