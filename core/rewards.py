@@ -5,8 +5,8 @@ prompt came from, so a verifier can read any column (a reference answer, unit te
 
     exact_match        1.0 when the completion equals row[reference_column], whitespace-normalized
     normalized_match   the same after lower-casing and dropping punctuation and articles (SQuAD-style)
-    unit_tests         1.0 when the prompt + completion, then row['test'] and
-                       check(row['entry_point']) (HumanEval's layout), run clean in the sandbox
+    unit_tests         1.0 when the prompt + completion (cut at HumanEval's stop sequences), then
+                       row['test'] and check(row['entry_point']) (HumanEval's layout), run clean in the sandbox
                        (core/sandbox.py: no network, no files of the host, time/memory/output caps)
     module:function    any importable function with the signature above
 
@@ -28,6 +28,14 @@ BUILTIN = ("exact_match", "normalized_match")  # compare with row[reference_colu
 EXECUTED = ("unit_tests",)  # run the completion against the row's tests
 VERIFIERS = BUILTIN + EXECUTED
 UNIT_TEST_FIELDS = ("prompt", "test", "entry_point")
+# HumanEval's protocol (Chen et al. 2021): a completion ends at the first of these; what a model
+# writes after the function (another def, a test, prints) is not part of the answer
+STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+
+
+def truncate_completion(text: str, stops: tuple[str, ...] = STOP_SEQUENCES) -> str:
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut]
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
@@ -73,8 +81,9 @@ def unit_tests(allow_unsafe_exec: bool = False, timeout_s: float = 10.0) -> Veri
         # the code the completion continues: the row's `prompt` column (a stage passes the row's
         # other columns as `row`, its prompt as `prompt`)
         row = {**row, "prompt": row["prompt"] if row.get("prompt") is not None else prompt}
+        program = program_of(row, truncate_completion(completion))
         try:
-            return float(run_python(program_of(row, completion), limits, allow_unsafe_exec=allow_unsafe_exec).passed)
+            return float(run_python(program, limits, allow_unsafe_exec=allow_unsafe_exec).passed)
         except SandboxUnavailable as e:
             raise VerifierError(f"unit_tests: {e}") from None
 

