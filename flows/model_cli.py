@@ -7,6 +7,12 @@ import sys
 from pathlib import Path
 
 
+def _unknown(command: str, what: str, name: str, catalog: dict) -> int:
+    print(f"{command}: no packaged {what} {name!r}; known: "
+          + ", ".join(f"{k} ({v.about})" for k, v in sorted(catalog.items())), file=sys.stderr)
+    return 2
+
+
 def cmd_model(args) -> int:
     """`model import FILE.gguf --out DIR`: the HF directory of a GGUF file. `model fetch NAME`: the
     file of a packaged model (registry/packaged.py), and with --out its HF directory. `model export
@@ -31,9 +37,7 @@ def cmd_model(args) -> int:
             return 0
         if args.action == "fetch":
             if args.source not in PACKAGED:
-                print(f"model fetch: no packaged model {args.source!r}; known: "
-                      + ", ".join(f"{k} ({v.about})" for k, v in sorted(PACKAGED.items())), file=sys.stderr)
-                return 2
+                return _unknown("model fetch", "model", args.source, PACKAGED)
             source = packaged_file(args.source)
             print(source)
             if args.out is None:
@@ -68,9 +72,7 @@ def cmd_data(args) -> int:
     from posttrain.registry.packaged import PACKAGED_DATA, PackageMissing, write_packaged_data
 
     if args.name not in PACKAGED_DATA:
-        print(f"data fetch: no packaged dataset {args.name!r}; known: "
-              + ", ".join(f"{k} ({v.about})" for k, v in sorted(PACKAGED_DATA.items())), file=sys.stderr)
-        return 2
+        return _unknown("data fetch", "dataset", args.name, PACKAGED_DATA)
     try:
         n = write_packaged_data(args.name, args.out)
     except PackageMissing as e:

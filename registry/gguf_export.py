@@ -25,15 +25,17 @@ def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+_TO_GLOBAL = {v: k for k, v in _GLOBAL.items()}
+_TO_LAYER = {v: k for k, v in _LAYER.items()}
+
+
 def gguf_name(hf: str) -> str | None:
-    """The GGUF name of an HF tensor name (the inverse of hf_name), for export."""
-    inverse_global = {v: k for k, v in _GLOBAL.items()}
-    if hf in inverse_global:
-        return inverse_global[hf]
-    inverse_layer = {v: k for k, v in _LAYER.items()}
+    """The GGUF name of an HF tensor name (the inverse of registry/gguf.hf_name), for export."""
+    if hf in _TO_GLOBAL:
+        return _TO_GLOBAL[hf]
     parts = hf.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in inverse_layer:
-        return f"blk.{parts[2]}.{inverse_layer[parts[3]]}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _TO_LAYER:
+        return f"blk.{parts[2]}.{_TO_LAYER[parts[3]]}"
     return None
 
 
