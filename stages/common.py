@@ -326,7 +326,8 @@ def stage_run(cfg: StageConfig, stage: str, is_main: bool = True) -> Iterator[An
     tracker = Tracker(tracking, run_name=name, tags={"posttrain.stage": stage, **tracking.tags},
                       run_id=os.environ.get("POSTTRAIN_RUN_ID") or None)
     tracker.log_params(dump_config(cfg))
-    tracker.flush(timeout=60)  # creates the run, so its id can go into the stage manifest
+    if tracker.run_id is None:
+        tracker.flush(timeout=60)  # creates the run, so its id can go into the stage manifest
     try:
         yield tracker
     except BaseException as e:

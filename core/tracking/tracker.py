@@ -133,7 +133,11 @@ class Tracker(NullTracker):
         self._last_ok = self._force = False
         self._thread = threading.Thread(target=self._loop, name="mlflow-tracker", daemon=True)
         self._thread.start()
-        # Wait for the first attempt so run_id is known; an outage only delays it.
+        # Wait for the first attempt so run_id is known; an outage only delays it. A run resumed by
+        # id (a stage the pipeline flow opened a run for) has its id already: it starts at once,
+        # and the thread imports mlflow and resumes the run while the stage loads its model.
+        if run_id is not None:
+            return
         with self._cond:
             if not self._cond.wait_for(lambda: self._finished > 0, timeout=connect_timeout_s):
                 logger.warning("MLflow at %s did not answer within %.0fs; logging to memory meanwhile",

@@ -125,6 +125,8 @@ def test_resume_by_run_id(backend):
     client = MlflowClient(cfg.tracking_uri)
     assert client.get_run(first.run_id).info.status == "FAILED"
     with Tracker(cfg, "sft", run_id=first.run_id) as again:
+        # a run resumed by id starts without waiting for MLflow; its first delivery resumes it
+        assert again.run_id == first.run_id and again.flush(timeout=60)
         assert client.get_run(first.run_id).info.status == "RUNNING"
         again.log_metrics({"loss": 2.0}, step=1)
     assert client.get_run(first.run_id).info.status == "FINISHED"
