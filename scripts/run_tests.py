@@ -33,6 +33,8 @@ OVER_BUDGET = 3
 # (warn past, fail past) in seconds of pytest time, per tier
 BUDGETS = {"full": (25 * 60, 75 * 60), "fast": (4 * 60, None)}
 SLOWEST = 25
+WORKERS = 2  # see docs/testing.md, "Two workers"
+
 COSTLIEST_FILES = 15
 
 
@@ -64,13 +66,18 @@ def costliest_files(times: list[tuple[float, str]]) -> list[tuple[str, float, in
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fast", action="store_true", help='the fast tier: -m "not slow"')
+    p.add_argument("--workers", type=int, default=int(os.environ.get("POSTTRAIN_TEST_WORKERS", WORKERS)),
+                   help="pytest-xdist workers for the main process, whole files to a worker "
+                        f"(default {WORKERS}, or $POSTTRAIN_TEST_WORKERS; 1: no xdist)")
     p.add_argument("pytest_args", nargs="*", help="passed to both pytest processes (after --)")
     args = p.parse_args(argv)
     tier = "fast" if args.fast else "full"
     warn_s, fail_s = BUDGETS[tier]
     common = ["-q", "-ra", f"--durations={SLOWEST}", *(["-m", "not slow"] if args.fast else []), *args.pytest_args]
     reports = Path(tempfile.mkdtemp(prefix="posttrain-junit-"))
-    runs = [("main", ["--ignore=tests/kernels"], {}), ("kernels", ["tests/kernels"], {"TRITON_INTERPRET": "1"})]
+    xdist = ["-n", str(args.workers), "--dist", "loadfile"] if args.workers > 1 else []
+    runs = [("main", ["--ignore=tests/kernels", *xdist], {}),
+            ("kernels", ["tests/kernels"], {"TRITON_INTERPRET": "1"})]
     spent, rc, times, failed = 0.0, 0, [], []
     for name, where, env in runs:
         xml = reports / f"{name}.xml"

@@ -39,11 +39,29 @@ os.environ["PYTHONSAFEPATH"] = "1"
 
 from tests.support.tier_guard import _fast_tier_starts_no_process, pytest_runtest_makereport  # noqa: F401
 
+# Under pytest-xdist (`make test` runs its workers side by side, scripts/run_tests.py) each worker, and
+# every process it starts, computes on one thread unless the user chose otherwise: two workers each
+# with torch's pool of one thread per core would spin against each other on two cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 _HOME = tempfile.mkdtemp(prefix="posttrain-tests-prefect-")
 os.environ["PREFECT_HOME"] = _HOME
 for _var in ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_PROFILE", "MLFLOW_TRACKING_URI"):
     os.environ.pop(_var, None)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+# The costliest files (docs/testing.md), started first: pytest-xdist hands whole files to its
+# workers in collection order, so a long file left to the end would run alone on one core.
+FIRST = ["tests/flows/test_chaos.py", "tests/flows/test_demo_teaches.py", "tests/flows/test_ui_browser.py",
+         "tests/flows/test_pipeline_e2e.py", "tests/flows/test_user_dag.py", "tests/stages/test_stage_parallel.py",
+         "tests/test_wheel.py", "tests/core/test_disaggregated.py", "tests/core/test_sandbox.py"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.relpath(item.path, ROOT), len(FIRST)))
 
 
 def pytest_unconfigure(config):
