@@ -7,7 +7,8 @@ on the same model and prompts.
     posttrain bench generate [...]
 
 Model: a posttrain.core.model preset with random weights (seed 0), saved once as an HF checkpoint that
-transformers loads (LlamaForCausalLM, sdpa attention); every side runs it in --dtype (fp32 by
+transformers loads (LlamaForCausalLM, sdpa attention), or a real one (`smollm2-135m-instruct`, a
+`.gguf` file or an HF directory: its pretrained weights, "weights" in the JSON says which); every side runs it in --dtype (fp32 by
 default; bfloat16 for the matrix units of CPUs that have them, where greedy tokens may then differ
 between sides by rounding). Prompts: random token ids,
 lengths uniform in [16, 96] (seeded), distinct per row.
@@ -162,6 +163,15 @@ def save(name: str, workdir: Path) -> Path:
     return workdir / name
 
 
+def checkpoint(name: str, workdir: Path) -> tuple[Path, str]:
+    """(HF directory, where its weights come from) for --models NAME: a real model (a packaged
+    model's name, a `.gguf` file, an HF directory) as it is, a preset with random weights saved."""
+    from posttrain.stages.common import resolve_model_dir
+
+    real, _ = resolve_model_dir(name)
+    return (real, "pretrained") if real is not None else (save(name, workdir), "random (seed 0)")
+
+
 def load(path: Path, dtype: str = "float32") -> dict:
     """The checkpoint as our model and as transformers' (the same weights), in `dtype`."""
     import torch
@@ -190,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                  "cpus": os.cpu_count(), "new_tokens": args.new_tokens, "dtype": args.dtype, "models": {}}
     with tempfile.TemporaryDirectory(prefix="bench_generate.") as tmp:
         for name in args.models:
-            from posttrain.core.model import get_preset
+            from posttrain.registry.hf import args_from_hf_config, read_hf_config
 
-            path = save(name, Path(tmp))
-            args_ = get_preset(name)
+            path, weights = checkpoint(name, Path(tmp))
+            args_ = args_from_hf_config(read_hf_config(path), str(path))
             vocab = args_.vocab_size
             cases: dict = {}
             plan = [(f"greedy_b{b}", _prompts(vocab, b, b), 1, True) for b in args.batches]
@@ -220,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 cases[case] = entry
                 print(f"{name} {case}: " + ", ".join(f"{s} {entry[s]['tokens_per_s']:.1f} tok/s" for s in sides),
                       file=sys.stderr)
-            doc["models"][name] = {"parameters": args_.num_params(), "cases": cases}
+            doc["models"][name] = {"parameters": args_.num_params(), "weights": weights, "cases": cases}
     return emit(doc, args.out)
 
 

@@ -15,6 +15,20 @@ from pathlib import Path
 import pytest
 
 
+def test_a_real_model_is_benchmarked_on_its_own_weights_and_a_preset_on_random_ones(tmp_path):
+    """--models takes a real model (here an HF directory; a packaged name or `.gguf` resolves the
+    same way, through the stages' model references) as it is, and saves a preset's random weights."""
+    from posttrain.benchmarks.generate import checkpoint
+    from posttrain.core.model import build_model, get_preset
+    from posttrain.registry.hf import save_pretrained
+
+    real = tmp_path / "real"
+    save_pretrained(build_model(get_preset("debug"), seed=3), real)
+    assert checkpoint(str(real), tmp_path / "work") == (real, "pretrained")
+    (tmp_path / "work").mkdir()
+    path, weights = checkpoint("debug", tmp_path / "work")
+    assert (path, weights) == (tmp_path / "work" / "debug", "random (seed 0)") and (path / "config.json").exists()
+
 
 @pytest.mark.slow
 def test_generate_benchmark_reports_three_sides(tmp_path):
@@ -24,7 +38,9 @@ def test_generate_benchmark_reports_three_sides(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = json.loads(out.read_text())["models"]["debug"]["cases"]
+    report = json.loads(out.read_text())["models"]["debug"]
+    assert report["weights"] == "random (seed 0)" and report["parameters"] > 0
+    cases = report["cases"]
     assert set(cases) == {"greedy_b3", "sampled_b16_n2"}
     for name, case in cases.items():
         for side in ("engine", "static", "transformers", "floor"):

@@ -251,6 +251,43 @@ def test_smollm2_tokenizer_and_chat_template_equal_transformers(real):
     assert (ours.bos_id, ours.eos_id) == (ref.bos_token_id, ref.eos_token_id)
 
 
+
+@pytest.mark.slow
+def test_smollm2_served_chat_greedy_equals_transformers_generate(real, tmp_path):
+    """`posttrain serve-model smollm2-135m-instruct` as a user starts it (the packaged file, imported
+    into the model cache by the server): the official `openai` client's greedy chat completions
+    equal transformers' `generate` on the GGUF file's own weights, the prompt rendered by
+    transformers' chat template, token for token."""
+    import signal
+
+    openai = pytest.importorskip("openai")
+    from tests.stages.test_serving import start_serve_model
+
+    _, ref_model, ref_tok = real
+    env = {"POSTTRAIN_CACHE": str(tmp_path / "cache"), "POSTTRAIN_API_KEY": "served-key"}
+    proc, port = start_serve_model(["smollm2-135m-instruct"], tmp_path, env, timeout=600)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="served-key", max_retries=0,
+                               timeout=300)
+        for question in ("What is the capital of France?", "Convert 3 km to metres.",
+                         "Write a Python function that returns the square of x."):
+            messages = [{"role": "user", "content": question}]
+            got = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=32,
+                                                 temperature=0)
+            ids = ref_tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                              return_dict=True)["input_ids"]
+            with torch.no_grad():
+                out = ref_model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=ref_tok.eos_token_id,
+                                         pad_token_id=ref_tok.eos_token_id)
+            new = out[0, ids.shape[1]:].tolist()
+            assert got.usage.completion_tokens == len(new), (question, got.choices[0].message.content)
+            assert got.choices[0].message.content == ref_tok.decode(new, skip_special_tokens=True), question
+            assert got.choices[0].finish_reason == ("stop" if new[-1] == ref_tok.eos_token_id else "length")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
 def test_data_prep_and_sft_take_the_gguf_file_as_tokenizer_and_model(tmp_path, monkeypatch):
     """A user's JSONL prepared with the GGUF file's tokenizer, then LoRA SFT of the GGUF model:
     the stages name the .gguf file itself; the merged result loads and differs from the base."""
