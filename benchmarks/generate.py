@@ -8,9 +8,9 @@ on the same model and prompts.
 
 Model: a posttrain.core.model preset with random weights (seed 0), saved once as an HF checkpoint that
 transformers loads (LlamaForCausalLM, sdpa attention), or a real one (`smollm2-135m-instruct`, a
-`.gguf` file or an HF directory: its pretrained weights, "weights" in the JSON says which); every side runs it in --dtype (fp32 by
-default; bfloat16 for the matrix units of CPUs that have them, where greedy tokens may then differ
-between sides by rounding). Prompts: random token ids,
+`.gguf` file or an HF directory: its pretrained weights; "weights" in the JSON says which). Every
+side runs it in --dtype (fp32 by default; bfloat16 for the matrix units of CPUs that have them,
+where greedy tokens may then differ between sides by rounding). Prompts: random token ids,
 lengths uniform in [16, 96] (seeded), distinct per row.
 
 Cases
@@ -198,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     doc: dict = {"command": "python -m posttrain.benchmarks.generate " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "cpus": os.cpu_count(), "new_tokens": args.new_tokens, "dtype": args.dtype, "models": {}}
+    from posttrain.registry.hf import args_from_hf_config, read_hf_config
+
     with tempfile.TemporaryDirectory(prefix="bench_generate.") as tmp:
         for name in args.models:
-            from posttrain.registry.hf import args_from_hf_config, read_hf_config
-
             path, weights = checkpoint(name, Path(tmp))
             args_ = args_from_hf_config(read_hf_config(path), str(path))
             vocab = args_.vocab_size

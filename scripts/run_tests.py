@@ -33,9 +33,8 @@ OVER_BUDGET = 3
 # (warn past, fail past) in seconds of pytest time, per tier
 BUDGETS = {"full": (25 * 60, 75 * 60), "fast": (4 * 60, None)}
 SLOWEST = 25
-WORKERS = 2  # see docs/testing.md, "Two workers"
-
 COSTLIEST_FILES = 15
+WORKERS = 2  # pytest-xdist workers of the main process (docs/testing.md, "Two workers")
 
 
 def read_junit(path: Path) -> tuple[list[tuple[float, str]], list[str]]:

@@ -136,12 +136,11 @@ class Tracker(NullTracker):
         # Wait for the first attempt so run_id is known; an outage only delays it. A run resumed by
         # id (a stage the pipeline flow opened a run for) has its id already: it starts at once,
         # and the thread imports mlflow and resumes the run while the stage loads its model.
-        if run_id is not None:
-            return
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._finished > 0, timeout=connect_timeout_s):
-                logger.warning("MLflow at %s did not answer within %.0fs; logging to memory meanwhile",
-                               self.tracking_uri, connect_timeout_s)
+        if run_id is None:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._finished > 0, timeout=connect_timeout_s):
+                    logger.warning("MLflow at %s did not answer within %.0fs; logging to memory meanwhile",
+                                   self.tracking_uri, connect_timeout_s)
 
     # -------------------------------------------------------------------------- logging (buffer only)
 

@@ -261,7 +261,7 @@ def test_smollm2_served_chat_greedy_equals_transformers_generate(real, tmp_path)
     import signal
 
     openai = pytest.importorskip("openai")
-    from tests.stages.test_serving import start_serve_model
+    from tests.support.serve_model import start_serve_model
 
     _, ref_model, ref_tok = real
     env = {"POSTTRAIN_CACHE": str(tmp_path / "cache"), "POSTTRAIN_API_KEY": "served-key"}

@@ -23,6 +23,7 @@ from posttrain.core.model import build_model, get_preset
 from posttrain.registry.byte_tokenizer import byte_tokenizer
 from posttrain.registry.adapters import save_adapter
 from posttrain.stages.serving.server import EngineSettings, load_adapters, make_state, parse_adapters, serve
+from tests.support.serve_model import start_serve_model
 
 openai = pytest.importorskip("openai")
 
@@ -408,31 +409,6 @@ def test_cli_parses_serve_model_and_binds_localhost():
     assert parse_adapters("a=/x, b=rel/y") == {"a": Path("/x"), "b": Path("rel/y")}
     with pytest.raises(ValueError, match="NAME=PATH"):
         parse_adapters("oops")
-
-
-def start_serve_model(argv: list[str], cwd, env: dict | None = None, timeout: float = 120):
-    """`posttrain serve-model ARGV --port P` started as a user starts it, on a free loopback
-    port: (the process, P) once /health answers; the process's output if it died first."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "posttrain.flows.cli", "serve-model", *argv, "--port", str(port)], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    assert proc.poll() is None, proc.stdout.read()[-3000:]
-    return proc, port
 
 
 @pytest.mark.slow
