@@ -161,7 +161,6 @@ class DocumentSpans:
         return cls(tuple(tuple(r) for r in runs), cu, max(lengths))
 
 
-@torch.compiler.disable  # runs eagerly inside compiled blocks: traced, each new layout would recompile
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: DocumentSpans) -> torch.Tensor:
     """Causal attention inside each document of `spans`. q (B, H, T, hd), k/v (B, H_kv, T, hd)
     (H a multiple of H_kv) -> (B, T, H, hd), contiguous."""
@@ -180,6 +179,16 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans:
             parts.append(out.transpose(1, 2).reshape(count * length, H, hd))  # a view where SDPA allows
     # One run (a dense row): SDPA's own output, so o_proj saves the tensor SDPA saves, not a copy
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(B, T, H, hd)
+
+
+def run_eagerly_under_compile() -> None:
+    """Before blocks are compiled: document_attention runs eagerly inside them (traced, each new
+    packing layout, a Python object, would become a guard and a recompile). Marked here rather than
+    at import, since marking imports torch._dynamo (1.2 s of every process's start-up, which a run
+    that does not compile would pay for nothing); Attention looks the name up at each call."""
+    global document_attention
+    if not getattr(document_attention, "_torchdynamo_disable", False):
+        document_attention = torch.compiler.disable(document_attention)
 
 
 def attention_masks(
@@ -218,13 +227,16 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        # No init here (values come from init_weights or a checkpoint): nn.Embedding's own, a normal_
+        # on the meta device every model is built on, would import torch._dynamo (1 s of start-up)
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size,
+                                  _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
         inv_freq, self.rope_scale = self._rope_frequencies()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(self.embed.weight.device), persistent=False)
 
     def _rope_frequencies(self) -> tuple[torch.Tensor, float]:
         """(inv_freq (head_dim // 2,) fp32, the attention scale of cos/sin) for self.args: the one

@@ -18,8 +18,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 def rope_frequencies(
     head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position_embeddings: int
 ) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (head_dim // 2,) and the attention scaling applied to cos/sin."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequencies (head_dim // 2,) on the CPU, whatever the default device (math on the
+    meta device would import torch._dynamo), and the attention scaling applied to cos/sin."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq, 1.0

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -35,6 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.utils.checkpoint import checkpoint
 
 from posttrain.core.lora.layer import LoRALinear
+from posttrain.core.model.model import run_eagerly_under_compile
 from posttrain.core.model.moe import MoE
 from posttrain.core.quant import shard_nf4_storage
 from posttrain.core.parallel.mesh import ParallelMesh
@@ -129,11 +131,12 @@ def apply_activation_checkpointing(blocks: list[nn.Module], every: int = 1) -> l
     return chosen
 
 
-def apply_compile(blocks: list[nn.Module]) -> None:
+def apply_compile(blocks: list[nn.Module], backend: str | Callable = "inductor") -> None:
     """Compile each block; a checkpointed block compiles inside the checkpoint (the recompute
     context above is eager Python, which a compiled checkpoint would not accept)."""
+    run_eagerly_under_compile()
     for block in blocks:
         if hasattr(block, "checkpointed_forward"):
-            block.checkpointed_forward = torch.compile(block.checkpointed_forward)
+            block.checkpointed_forward = torch.compile(block.checkpointed_forward, backend=backend)
         else:
-            block.compile()
+            block.compile(backend=backend)

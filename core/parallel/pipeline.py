@@ -25,12 +25,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.pipelining._utils import InferenceMode
 
 from posttrain.core.parallel.config import ParallelConfig
 from posttrain.core.model.model import Transformer, attention_masks
@@ -38,7 +37,8 @@ from posttrain.core.model.moe import MoE, routed_tokens
 from posttrain.core.model.rope import rope_cos_sin, rope_frequencies
 from posttrain.core.parallel.mesh import ParallelMesh
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+if TYPE_CHECKING:
+    from posttrain.core.parallel.pipeline_stage import AccumulatingStage
 
 
 class _AttachAux(torch.autograd.Function):
@@ -131,30 +131,6 @@ class PipelineStageModule(nn.Module):
         return x
 
 
-class _Stage(PipelineStage):
-    """torch's PipelineStage, keeping the gradients accumulated in an optimizer step when a
-    forward-only (eval) schedule step comes between its micro-batches, as DPO's `reference:
-    disable_adapter` runs one before each. torch 2.13 loses them twice there: each switch
-    between eval and training re-prepares the stage and then sets every FSDP parameter's .grad to
-    None (to drop what a metadata-inference forward and backward left, but this stage is given
-    its shapes, `_stage_metas`, so no such pass ran), and the eval step ends with FSDP's
-    post-backward and the gradient scaling, as if it had run a backward. Seen as a gradient norm
-    0.72x one process's under PP x FSDP (and PP x CP, FSDP over the cp ranks) with 2 accumulated
-    micro-batches (tests/core/parallel/test_pipeline_parallel.py)."""
-
-    def _post_metadata_inference_cleanup(self) -> None:
-        if self._inference_mode == InferenceMode.DYNAMIC:
-            super()._post_metadata_inference_cleanup()
-
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        if self.has_backward:
-            super().perform_reduce_grad(grad_scale_factor)
-            return
-        for module in self.submod.modules():  # forward only: free what it gathered, reduce nothing
-            if isinstance(module, FSDPModule):
-                module.reshard()
-
-
 def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
     """Contiguous, as even as possible; earlier stages take the remainder (the last one also
     holds the lm_head)."""
@@ -170,7 +146,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
 @dataclass
 class Pipeline:
     schedule: object
-    stages: list[PipelineStage]
+    stages: list[AccumulatingStage]
     modules: list[PipelineStageModule]
     is_first: bool
     is_last: bool
@@ -292,6 +268,8 @@ def build_pipeline(model: Transformer, cfg: ParallelConfig, mesh: ParallelMesh, 
     embeddings gets an lm_head copy of the embedding on the last stage, which the caller keeps
     equal: Pipeline.reduce_tied_grads before every optimizer step, and the head copy left out of
     the gradient norm (Pipeline.duplicates; posttrain.core.trainer.Trainer does both)."""
+    from posttrain.core.parallel.pipeline_stage import SCHEDULES, AccumulatingStage  # torch's pipelining: 0.7 s to import
+
     pp, rank = mesh.size("pp"), mesh.local_rank("pp")
     tied = model.args.tie_embeddings and pp > 1
     if tied:  # a copy on each end, kept equal: their gradients are summed (Pipeline.reduce_tied_grads)
@@ -309,7 +287,7 @@ def build_pipeline(model: Transformer, cfg: ParallelConfig, mesh: ParallelMesh, 
     for m, s in zip(modules, ids):
         inputs, outputs = _stage_metas(m, microbatch_size, seq_len, packed, dtype, mesh.size("tp"), device)
         grads = lambda ts: tuple(t if t.is_floating_point() else None for t in ts)  # noqa: E731
-        stages.append(_Stage(m, s, n, device, input_args=inputs, output_args=outputs,
+        stages.append(AccumulatingStage(m, s, n, device, input_args=inputs, output_args=outputs,
                                     input_grads=grads(inputs), output_grads=grads(outputs), group=mesh.group("pp")))
     microbatches = cfg.pp_microbatches or pp
     cls = SCHEDULES[cfg.pp_schedule]

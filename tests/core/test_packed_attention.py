@@ -82,10 +82,11 @@ def test_compiled_blocks_do_not_recompile_per_packing_layout():
     the layout (a Python object) never becomes a guard that forces a recompile."""
     import torch._dynamo.testing
 
+    from posttrain.core.parallel.data_parallel import apply_compile
+
     model = _model()
     counter = torch._dynamo.testing.CompileCounter()
-    for block in model.layers:
-        block.compile(backend=counter)
+    apply_compile(list(model.layers), backend=counter)
     frames = []
     for lengths in ([5, 7, 4], [5, 7, 4], [3, 3, 10], [2, 9, 2, 3]):
         pos = torch.cat([torch.arange(n) for n in lengths])[None]
