@@ -56,7 +56,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # workers in collection order, so a long file left to the end would run alone on one core.
 FIRST = ["tests/flows/test_chaos.py", "tests/flows/test_demo_teaches.py", "tests/flows/test_ui_browser.py",
          "tests/flows/test_pipeline_e2e.py", "tests/flows/test_user_dag.py", "tests/stages/test_stage_parallel.py",
-         "tests/test_wheel.py", "tests/core/test_disaggregated.py", "tests/core/test_sandbox.py"]
+         "tests/test_wheel.py", "tests/core/test_disaggregated.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):
