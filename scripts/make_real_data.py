@@ -17,21 +17,29 @@ Files (the formats of configs/data/*.jsonl, which configs/user_data.yaml runs on
     prefs.jsonl    preference pairs: the right answer against a plausible wrong or verbose one
     prompts.jsonl  prompts with reference answers, for on-policy DPO and GRPO (exact-match reward)
     eval.jsonl     held-out prompts with answers: no prompt of it appears in the other files
+    general.jsonl  general English text, for the perplexity guard (what post-training lost): 100
+                   paragraphs of the Python documentation's topics as CPython ships them in its
+                   standard library (`pydoc_data.topics`, Python Software Foundation License 2.0),
+                   each the completion of a prompt naming its topic; no task data comes near it
 
-`--check` exits 1 if the files on disk differ from what this script writes (a test runs it).
+`--check` exits 1 if the files on disk differ from what this script writes (a test runs it);
+general.jsonl only under the Python it was written with (PYDOC_PYTHON), as its text comes from there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import random
+import re
 import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "configs" / "data" / "real"
 SEED = 20261207
-SIZES = {"sft": 2000, "prefs": 800, "prompts": 400, "eval": 200}
+SIZES = {"sft": 2000, "prefs": 800, "prompts": 400, "eval": 200, "general": 100}
+PYDOC_PYTHON = "3.11.7"  # the Python whose pydoc_data.topics general.jsonl was written from
 
 # (from, to, factor, how the amount is named in each unit)
 UNITS = [("km", "metres", 1000), ("metres", "centimetres", 100), ("kg", "grams", 1000),
@@ -107,7 +115,25 @@ def build() -> dict[str, list[dict]]:
         if name == "eval":
             held_out = seen
         files[name] = rows
+    files["general"] = general(rng)
     return files
+
+
+def general(rng: random.Random) -> list[dict]:
+    """SIZES["general"] paragraphs of 300-700 characters of prose (no lists, prompts or code-heavy
+    lines) from the Python documentation's topics, drawn with `rng`, in topic order."""
+    from pydoc_data.topics import topics
+
+    paragraphs = []
+    for topic in sorted(topics):
+        for text in re.split(r"\n\s*\n", topics[topic]):
+            text = " ".join(text.split())
+            if 300 <= len(text) <= 700 and text[0].isupper() and text.count("(") < 6:
+                paragraphs.append((topic, text))
+    chosen = sorted(rng.sample(range(len(paragraphs)), SIZES["general"]))
+    return [{"prompt": [{"role": "user", "content": f"Write a paragraph of the Python documentation on {topic}."}],
+             "completion": [{"role": "assistant", "content": text}], "source": f"pydoc_data.topics:{topic}"}
+            for topic, text in (paragraphs[i] for i in chosen)]
 
 
 def render(rows: list[dict]) -> str:
@@ -123,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         path = OUT / f"{name}.jsonl"
         text = render(rows)
         if args.check:
+            if name == "general" and platform.python_version() != PYDOC_PYTHON:
+                print(f"{path}: not checked (written from Python {PYDOC_PYTHON}'s pydoc_data, this is "
+                      f"{platform.python_version()})")
+                continue
             if not path.exists() or path.read_text(encoding="utf-8") != text:
                 stale.append(str(path))
             continue

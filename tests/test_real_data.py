@@ -1,6 +1,7 @@
 """configs/data/real/ (the real-model pipeline's instruction data) is what scripts/make_real_data.py
 writes, and holds what the pipeline relies on: the sizes, the four tasks in turn, every answer in
-its task's format, and no evaluation prompt among the training, preference or GRPO prompts."""
+its task's format, and no evaluation prompt among the training, preference or GRPO prompts; the
+general-text guard is paragraphs of CPython's own pydoc topics, word for word."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def test_the_shipped_files_are_the_scripts_output(monkeypatch, capsys):
 def test_answers_have_their_tasks_format_and_eval_is_held_out(monkeypatch):
     mod = _script(monkeypatch)
     files = {name: [json.loads(line) for line in (mod.OUT / f"{name}.jsonl").read_text().splitlines()]
-             for name in mod.SIZES}
-    assert {name: len(rows) for name, rows in files.items()} == mod.SIZES
+             for name in mod.SIZES if name != "general"}
+    assert {name: len(rows) for name, rows in files.items()} == {n: k for n, k in mod.SIZES.items() if n != "general"}
     formats = {"convert": r"\d+", "add": r"\d+", "date": r"\d{4}-\d{2}-\d{2}", "json": r"\{.*\}"}
 
     def prompt_and_answer(name, row):
@@ -53,3 +54,19 @@ def test_answers_have_their_tasks_format_and_eval_is_held_out(monkeypatch):
         assert len(prompts[name]) == len(rows), name  # no prompt twice in a file
     for name in ("sft", "prefs", "prompts"):
         assert not prompts[name] & prompts["eval"], name
+
+
+def test_the_general_text_is_pydocs_own_paragraphs(monkeypatch):
+    import platform
+
+    from pydoc_data.topics import topics
+
+    mod = _script(monkeypatch)
+    rows = [json.loads(line) for line in (mod.OUT / "general.jsonl").read_text().splitlines()]
+    assert len(rows) == mod.SIZES["general"]
+    for row in rows:
+        topic = row["source"].removeprefix("pydoc_data.topics:")
+        text = row["completion"][0]["content"]
+        assert topic in row["prompt"][0]["content"] and 300 <= len(text) <= 700, row
+        if platform.python_version() == mod.PYDOC_PYTHON:
+            assert text in " ".join(topics[topic].split()), row
